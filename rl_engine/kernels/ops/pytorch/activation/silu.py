@@ -1,0 +1,17 @@
+"""SiLU: x * sigmoid(x)."""
+
+from __future__ import annotations
+
+import torch
+
+from rl_engine.kernels.ops.pytorch.base import NativeOp, expect_rank
+
+
+class NativeSiluOp(NativeOp):
+    input_names = ("x",)
+
+    def validate(self, *, x):
+        expect_rank("x", x, 3, "[B,S,I]")
+
+    def forward(self, *, x):
+        return x * torch.sigmoid(x)

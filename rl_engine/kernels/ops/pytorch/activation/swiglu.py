@@ -1,0 +1,18 @@
+"""SwiGLU: silu(gate) * up."""
+
+from __future__ import annotations
+
+import torch
+
+from rl_engine.kernels.ops.pytorch.base import NativeOp, expect_rank, expect_shape
+
+
+class NativeSwigluOp(NativeOp):
+    input_names = ("gate", "up")
+
+    def validate(self, *, gate, up):
+        expect_rank("gate", gate, 3, "[B,S,I]")
+        expect_shape("up", up, tuple(gate.shape), "[B,S,I] (the shape of gate)")
+
+    def forward(self, *, gate, up):
+        return gate * torch.sigmoid(gate) * up

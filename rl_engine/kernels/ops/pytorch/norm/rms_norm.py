@@ -1,0 +1,21 @@
+"""RMSNorm: y = x / sqrt(mean(x^2) + eps) * weight (eps inside the root, as Qwen3 and Llama)."""
+
+from __future__ import annotations
+
+import torch
+
+from rl_engine.kernels.ops.pytorch.base import NativeOp, expect_rank, expect_shape
+
+
+class NativeRmsNormOp(NativeOp):
+    input_names = ("x", "weight")
+
+    def __init__(self, eps: float = 1e-6):
+        self.eps = eps
+
+    def validate(self, *, x, weight):
+        expect_rank("x", x, 3, "[B,S,H]")
+        expect_shape("weight", weight, (x.shape[-1],), "[H]")
+
+    def forward(self, *, x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps) * weight
