@@ -1,7 +1,8 @@
 """What every gold operator shares: fp32 execution with TF32 off, the baseline, input checks.
 
 A gold op's `forward(**inputs)` is written once, dtype-agnostic. Calling the op (`op(**inputs)`)
-runs it as the *reference*: floating inputs upcast to fp32, TF32 off, fp32 outputs. `baseline`
+runs it as the *reference*: bf16/fp16 inputs upcast to fp32, TF32 off, fp32 outputs (float64
+inputs stay float64, for gradcheck). `baseline`
 runs the same formula in the inputs' own dtype: what a user gets from plain PyTorch today.
 """
 
@@ -70,8 +71,9 @@ class NativeOp:
     def __call__(self, **inputs):
         self._check_names(inputs)
         self.validate(**inputs)
+        # Narrow floats go up to fp32; float64 stays, so gradcheck can run the same formula.
         upcast = {
-            k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+            k: (v.float() if isinstance(v, torch.Tensor) and v.dtype in (torch.bfloat16, torch.float16) else v)
             for k, v in inputs.items()
         }
         with tf32_off():
