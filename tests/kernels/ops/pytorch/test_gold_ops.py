@@ -226,7 +226,8 @@ def test_reference_turns_tf32_off_and_restores():
     "call,needle",
     [
         (lambda: NativeLogpOp()(logits=rand(1, 2, 5), target_ids=torch.tensor([[0, 5]])), "target_ids"),
-        (lambda: NativeLogpOp()(logits=rand(1, 2, 5), target_ids=torch.tensor([[0, 1, 2]])), "target_ids: expected shape [B,S]"),
+        (lambda: NativeLogpOp()(logits=rand(1, 2, 5), target_ids=torch.tensor([[0, 1, 2]])),
+         "target_ids: expected shape [B,S]"),
         (lambda: NativeLogpOp()(logits=rand(2, 5), target_ids=torch.tensor([0, 1])), "logits: expected shape [B,S,V]"),
         (lambda: NativeLinearLogpOp()(hidden=rand(1, 2, 4), lm_head_weight=rand(7, 5),
                                       target_ids=ids(1, 2, high=7)),
