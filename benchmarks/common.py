@@ -1,0 +1,237 @@
+"""Shared helpers for the GPU benchmarks in this folder (one script per op family).
+
+A benchmark script is run as `python benchmarks/<name>.py --out DIR [--quick]` on the H200 and
+writes `DIR/<name>.json` plus `DIR/<name>.png`. Scripts import this module as `from common import ...`
+(the script's folder is on sys.path); importing it also puts the repository root on sys.path, so
+`rl_engine` imports without an install. The API, all small:
+
+    args = arg_parser("what this measures").parse_args()
+    env = environment()                      # date, GPU, torch/Triton/Python/CUDA, Liger version
+    copy = copy_ceiling()                    # {"ms", "gb_per_s"}: device-to-device copy, read+write
+    gemm = gemm_ceiling()                    # {"ms", "tflop_per_s", "shape"}: bf16 torch.matmul 8192^3
+    ms = bench_ms(fn)                        # median ms of fn() (triton.testing.do_bench)
+    extra = peak_extra_bytes(fn)             # peak bytes allocated by fn() above what was live before
+    row = measure("label", run, *args)      # row = run(*args); on error -> {"error": "..."}, printed
+    t = time_mode("backward", fn, inputs, [0])  # {"ms", "peak_extra_bytes"}; modes: common.MODES
+    liger = optional_import("liger_kernel.transformers")   # None when absent (record "unavailable")
+    write_json(args.out, "name", payload)    # payload + env, indent 2
+    save_plot(args.out, "name", panels)      # panels: [{"title","xlabel","ylabel","x","series",...}]
+    print_table(rows, columns)               # fixed-width table of dicts
+
+Ceilings are measured in the same run as the kernels they judge (DESIGN.md: 4.28 TB/s copy and
+680 TFLOP/s bf16 GEMM on the H200 were one such measurement, not constants to hard-code).
+Every measurement is wrapped so that one failure (OOM, missing peer) does not lose the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import platform
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+GB = 1e9
+
+
+def arg_parser(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", required=True, help="directory for the JSON and PNG results")
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (smoke run)")
+    return parser
+
+
+def optional_import(module: str):
+    """The module, or None when it (or one of its dependencies) cannot be imported."""
+    try:
+        return importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - any import failure means "unavailable"
+        return None
+
+
+def _version(module: str) -> str:
+    mod = optional_import(module)
+    return getattr(mod, "__version__", "unknown") if mod is not None else "unavailable"
+
+
+def environment() -> dict:
+    """What the numbers were measured on."""
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+    }
+    try:
+        from importlib.metadata import version
+
+        env["liger_kernel"] = version("liger-kernel")
+    except Exception:  # noqa: BLE001
+        env["liger_kernel"] = "unavailable"
+    return env
+
+
+def bench_ms(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> float:
+    """Median wall time of fn() in milliseconds (do_bench flushes L2 between calls)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def peak_extra_bytes(fn: Callable[[], object]) -> int:
+    """Peak CUDA bytes allocated while fn() runs, above what was allocated before it.
+
+    Outputs fn() returns count while alive; they are dropped before returning.
+    """
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del result
+    return int(peak - before)
+
+
+def copy_ceiling(nbytes: int = 1 << 30) -> dict:
+    """Device-to-device copy bandwidth: (read + write) bytes / median time."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    return {"ms": ms, "bytes": 2 * nbytes, "gb_per_s": 2 * nbytes / (ms * 1e-3) / GB}
+
+
+def gemm_ceiling(m: int = 8192, n: int = 8192, k: int = 8192, dtype=torch.bfloat16) -> dict:
+    """cuBLAS GEMM rate via torch.matmul of [m,k] @ [k,n]."""
+    a = torch.randn(m, k, dtype=dtype, device="cuda")
+    b = torch.randn(k, n, dtype=dtype, device="cuda")
+    ms = bench_ms(lambda: a @ b)
+    return {"ms": ms, "shape": [m, n, k], "dtype": str(dtype), "tflop_per_s": 2 * m * n * k / (ms * 1e-3) / 1e12}
+
+
+def measure(label: str, run: Callable[..., dict], *args, **kwargs) -> dict:
+    """run(*args, **kwargs), printing progress; its dict, or {"error": ...} when it raised."""
+    print(f"  {label} ...", flush=True)
+    try:
+        row = run(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - one failure must not lose the other measurements
+        traceback.print_exc(limit=2)
+        row = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return row
+
+
+MODES = ("forward", "backward", "forward+backward")
+
+
+def time_mode(mode: str, fn: Callable[..., torch.Tensor], inputs: list, differentiable: list[int]) -> dict:
+    """{"ms", "peak_extra_bytes"} of one mode of fn(*inputs) (memory-bound ops: norms, activations, ...).
+
+    forward: fn(*inputs) under no_grad; backward: torch.autograd.grad through a graph built once and
+    retained (the backward alone); forward+backward: both. `differentiable` lists the indices of the
+    inputs that get gradients; the output gradient is random with the output's shape and dtype.
+    """
+    if mode == "forward":
+        def run():
+            with torch.no_grad():
+                return fn(*inputs)
+    else:
+        leaves = [x.detach().requires_grad_() if i in differentiable else x for i, x in enumerate(inputs)]
+        wrt = [leaves[i] for i in differentiable]
+        out = fn(*leaves)
+        grad = torch.randn_like(out)
+        if mode == "backward":
+            def run():
+                return torch.autograd.grad(out, wrt, grad, retain_graph=True)
+        else:
+            def run():
+                return torch.autograd.grad(fn(*leaves), wrt, grad)
+    ms = bench_ms(run)
+    return {"ms": ms, "peak_extra_bytes": peak_extra_bytes(run)}
+
+
+def write_json(out_dir: str, name: str, payload: dict) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump({"benchmark": name, "environment": environment(), **payload}, f, indent=2, default=str)
+    print(f"wrote {path}")
+    return path
+
+
+def save_plot(out_dir: str, name: str, panels: list[dict]) -> str | None:
+    """One PNG with a subplot per panel.
+
+    panel = {"title", "xlabel", "ylabel", "x": [...], "series": {label: [y or None, ...]},
+             "kind": "line" (default) or "bar", "logy": bool, "hline": (y, label) optional}
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # noqa: BLE001
+        print("matplotlib unavailable: no plot")
+        return None
+    os.makedirs(out_dir, exist_ok=True)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        x, series = panel["x"], panel["series"]
+        if panel.get("kind", "line") == "bar":
+            width = 0.8 / max(len(series), 1)
+            for i, (label, ys) in enumerate(series.items()):
+                pos = [j + i * width for j in range(len(x))]
+                ax.bar(pos, [y if y is not None else 0 for y in ys], width, label=label)
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(x))], [str(v) for v in x])
+        else:
+            for label, ys in series.items():
+                pts = [(a, b) for a, b in zip(x, ys) if b is not None]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=label)
+        if panel.get("hline"):
+            y, label = panel["hline"]
+            ax.axhline(y, linestyle="--", color="gray", label=label)
+        if panel.get("logy"):
+            ax.set_yscale("log")
+        ax.set_title(panel.get("title", ""))
+        ax.set_xlabel(panel.get("xlabel", ""))
+        ax.set_ylabel(panel.get("ylabel", ""))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{name}.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return path
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1e4 else f"{value:.0f}"
+    return str(value)
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    """Fixed-width table; missing keys print as '-'."""
+    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for r in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))

@@ -1,0 +1,125 @@
+"""`rl-engine check-op` (and scripts/check_operator.py): one candidate of one op against the gold.
+
+Exit codes: 0 passed, 1 failed, 2 usage or configuration error (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+import torch
+
+from rl_engine.errors import UsageError
+from rl_engine.kernels.gtest.op_checks import GRAD_MODES, run_operator_suite
+from rl_engine.kernels.gtest.operator_inputs import INPUT_MODES, QWEN3_8B, OperatorDims
+from rl_engine.kernels.gtest.operator_specs import OP_SPECS, get_spec, make_candidate, make_operator_case
+from rl_engine.kernels.gtest.tolerance import DTYPES, ContractError, load_contract
+
+# flag -> OperatorDims field; the defaults live in OperatorDims, so the flags default to None.
+DIM_FLAGS = {
+    "batch": int, "seq": int, "vocab": int, "normalized_dim": int, "intermediate": int, "n_heads": int,
+    "n_kv_heads": int, "head_dim": int, "k_dim": int, "n_dim": int, "theta": float, "eps": float,
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--op", help=f"operator: {', '.join(OP_SPECS)}")
+    parser.add_argument("--candidate", default="pytorch", help="candidate backend (default pytorch: the smoke test)")
+    parser.add_argument("--dtype", default="fp32", help=f"case dtype: {', '.join(DTYPES)} (default fp32)")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
+    parser.add_argument("--arch-key", default=None, help="tolerance override key, e.g. sm90")
+    defaults = OperatorDims()
+    for name, kind in DIM_FLAGS.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
+                            help=f"default {getattr(defaults, name)}")
+    parser.add_argument("--qwen3-8b", action="store_true",
+                        help="Qwen3-8B geometry (hidden 4096, 32/8 heads of 128, intermediate 12288, vocab 151936); "
+                             "explicit dim flags still win")
+    parser.add_argument("--input-mode", default="random", help=f"{' or '.join(INPUT_MODES)} (default random)")
+    parser.add_argument("--constant-value", type=float, default=1.0, help="floating inputs in constant mode")
+    parser.add_argument("--token-value", type=int, default=0, help="ids in constant mode, reduced modulo the range")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    parser.add_argument("--check-grad", action="store_true", help="also compare the declared input gradients")
+    parser.add_argument("--grad-mode", default="random", help="upstream gradient: random (default) or ones")
+    parser.add_argument("--grad-seed", type=int, default=123, help="seed of the random upstream gradient")
+    parser.add_argument("--check-invariance", action="store_true",
+                        help="each batch row alone must match the full batch bit for bit")
+    parser.add_argument("--contract", default=None, help="tolerance contract JSON (default: the packaged one)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--list", action="store_true", help="list the operators and their candidates")
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device: unknown device {name!r}; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {name}: CUDA was asked for but is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {name}: only {torch.cuda.device_count()} CUDA devices present")
+    return str(device)
+
+
+def dims_from_args(args) -> OperatorDims:
+    values = dict(QWEN3_8B) if args.qwen3_8b else {}
+    values.update({k: getattr(args, k) for k in DIM_FLAGS if getattr(args, k) is not None})
+    dims = dataclasses.replace(OperatorDims(), **values)
+    try:
+        dims.validate()
+    except ValueError as exc:
+        raise UsageError(f"--{str(exc).replace('_', '-')}") from None
+    return dims
+
+
+def list_operators() -> str:
+    lines = []
+    for spec in OP_SPECS.values():
+        lines.append(
+            f"{spec.name} class={spec.op_class} gold={spec.gold_path} candidates={','.join(spec.candidate_paths)} "
+            f"grad_inputs={','.join(spec.grad_input_names)} per_row_inputs={','.join(spec.batch_input_names)}"
+        )
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    if args.list:
+        print(list_operators())
+        return 0
+    if not args.op:
+        raise UsageError(f"--op is required; valid ops: {', '.join(OP_SPECS)}")
+    get_spec(args.op)
+    if args.dtype not in DTYPES:
+        raise UsageError(f"--dtype: unsupported dtype {args.dtype!r}; valid: {', '.join(DTYPES)}")
+    if args.input_mode not in INPUT_MODES:
+        raise UsageError(f"--input-mode: expected {' or '.join(INPUT_MODES)}, got {args.input_mode!r}")
+    if args.grad_mode not in GRAD_MODES:
+        raise UsageError(f"--grad-mode: expected {' or '.join(GRAD_MODES)}, got {args.grad_mode!r}")
+    if args.token_value < 0:
+        raise UsageError(f"--token-value: expected a non-negative id, got {args.token_value}")
+    dims = dims_from_args(args)
+    try:
+        contract = load_contract(args.contract)
+    except ContractError as exc:
+        raise UsageError(str(exc)) from None
+    device = resolve_device(args.device)
+    if device == "cpu" and not torch.cuda.is_available():
+        # Triton candidates run on a CPU only under the interpreter, which Triton reads when a kernel
+        # module is imported: set it before make_candidate imports one.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    candidate = make_candidate(args.op, args.candidate, dims=dims, arch_key=args.arch_key)
+    case = make_operator_case(args.op, dtype=args.dtype, device=device, dims=dims, input_mode=args.input_mode,
+                              constant_value=args.constant_value, token_value=args.token_value, seed=args.seed)
+    try:
+        report = run_operator_suite(args.op, candidates=[candidate], cases=[case], contract=contract,
+                                    check_grad=args.check_grad, grad_mode=args.grad_mode, grad_seed=args.grad_seed,
+                                    check_invariance=args.check_invariance, seed=args.seed)
+    except ContractError as exc:  # e.g. a custom contract that lacks this op's class
+        raise UsageError(str(exc)) from None
+    print(report.to_json() if args.json else report.to_text())
+    return 0 if report.passed else 1

@@ -1,0 +1,84 @@
+"""SiLU in Triton: y = x · sigmoid(x), elementwise over the flattened tensor, fp32 math, one cast.
+
+Backward: dx = dy · s · (1 + x · (1 - s)) with s = sigmoid(x), recomputed from x (nothing saved
+but x). Elementwise with no reduction, so every element's bits are independent of the batch, the
+block it falls in and the grid: batch-invariant and deterministic by construction.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rl_engine.kernels.ops.pytorch.activation.silu import NativeSiluOp
+from rl_engine.kernels.ops.triton.runtime import cast_rne
+
+# Elements per program and warps: fixed, so a tensor's bits never depend on its size.
+BLOCK = 4096
+NUM_WARPS = 8
+
+
+@triton.jit
+def _silu_forward_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = x * tl.sigmoid(x)
+    tl.store(y_ptr + offs, cast_rne(y, y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_backward_kernel(dy_ptr, x_ptr, dx_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(x)
+    dx = dy * s * (1.0 + x * (1.0 - s))
+    tl.store(dx_ptr + offs, cast_rne(dx, dx_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_forward(x: torch.Tensor) -> torch.Tensor:
+    """silu of a contiguous tensor, in its dtype."""
+    y = torch.empty_like(x)
+    n = x.numel()
+    if n:
+        _silu_forward_kernel[(triton.cdiv(n, BLOCK),)](x, y, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return y
+
+
+def silu_backward(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    dx = torch.empty_like(x)
+    n = x.numel()
+    if n:
+        _silu_backward_kernel[(triton.cdiv(n, BLOCK),)](dy, x, dx, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return dx
+
+
+class _SiluFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        ctx.save_for_backward(x)
+        return silu_forward(x)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        return silu_backward(dy.contiguous(), x)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """x · sigmoid(x) for any shape; returns x's dtype."""
+    return _SiluFunction.apply(x)
+
+
+class TritonSiluOp:
+    """Triton candidate for NativeSiluOp: op(x=[B,S,I]) -> [B,S,I] in x's dtype."""
+
+    input_names = NativeSiluOp.input_names
+
+    def __call__(self, *, x: torch.Tensor) -> torch.Tensor:
+        NativeSiluOp().validate(x=x)
+        return silu(x)

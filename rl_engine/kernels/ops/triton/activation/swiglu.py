@@ -1,0 +1,93 @@
+"""SwiGLU in Triton: y = silu(gate) · up, elementwise over the flattened tensors, fp32 math, one cast.
+
+Backward (recomputed from gate and up, nothing else saved), with s = sigmoid(gate):
+d_up = dy · gate · s;  d_gate = dy · up · s · (1 + gate · (1 - s)).
+Elementwise with no reduction: batch-invariant and deterministic by construction.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rl_engine.kernels.ops.pytorch.activation.swiglu import NativeSwigluOp
+from rl_engine.kernels.ops.triton.runtime import cast_rne
+
+# Elements per program and warps: fixed, so a tensor's bits never depend on its size.
+BLOCK = 4096
+NUM_WARPS = 8
+
+
+@triton.jit
+def _swiglu_forward_kernel(gate_ptr, up_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    gate = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = gate * tl.sigmoid(gate) * up
+    tl.store(y_ptr + offs, cast_rne(y, y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_backward_kernel(dy_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(gate)
+    dup = dy * gate * s
+    dgate = dy * up * s * (1.0 + gate * (1.0 - s))
+    tl.store(dgate_ptr + offs, cast_rne(dgate, dgate_ptr.dtype.element_ty), mask=mask)
+    tl.store(dup_ptr + offs, cast_rne(dup, dup_ptr.dtype.element_ty), mask=mask)
+
+
+def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up for contiguous tensors of one shape, in gate's dtype."""
+    y = torch.empty_like(gate)
+    n = gate.numel()
+    if n:
+        _swiglu_forward_kernel[(triton.cdiv(n, BLOCK),)](gate, up, y, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return y
+
+
+def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
+    """(d_gate in gate's dtype, d_up in up's dtype)."""
+    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    n = gate.numel()
+    if n:
+        _swiglu_backward_kernel[(triton.cdiv(n, BLOCK),)](
+            dy, gate, up, dgate, dup, n, BLOCK=BLOCK, num_warps=NUM_WARPS
+        )
+    return dgate, dup
+
+
+class _SwigluFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate.contiguous(), up.contiguous()
+        ctx.save_for_backward(gate, up)
+        return swiglu_forward(gate, up)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        return swiglu_backward(dy.contiguous(), gate, up)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up for two tensors of one shape; returns gate's dtype."""
+    if gate.shape != up.shape:
+        raise ValueError(f"up: expected the shape of gate {tuple(gate.shape)}, got {tuple(up.shape)}")
+    return _SwigluFunction.apply(gate, up)
+
+
+class TritonSwigluOp:
+    """Triton candidate for NativeSwigluOp: op(gate=[B,S,I], up=[B,S,I]) -> [B,S,I] in gate's dtype."""
+
+    input_names = NativeSwigluOp.input_names
+
+    def __call__(self, *, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        NativeSwigluOp().validate(gate=gate, up=up)
+        return swiglu(gate, up)

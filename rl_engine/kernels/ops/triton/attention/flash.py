@@ -1,0 +1,432 @@
+"""The flash-attention kernels shared by every attention entry point (prefill, packed, KV cache).
+
+Train/infer consistency (DESIGN.md rule 3) comes from running ONE forward kernel, with ONE tile
+configuration per (dtype, head_dim), for every layout. Each layout is described to the kernel by a
+table of sequences, one int32 row per sequence (`SequenceTable`):
+
+    q_row0   memory row of the sequence's first query (q viewed as rows [R, Hq, D])
+    q_count  number of queries
+    q_pos0   position of the first query, counted from the sequence's first key
+    k_row0   memory row of the sequence's first key (k/v viewed as rows [Rk, Hkv, D])
+    kv_len   number of keys; key position j < kv_len is visible to a query at position p iff j <= p
+    window   ... and p − window < j (NO_WINDOW for every real sequence; 1 for left-padding queries,
+             which see only their own key, as the gold reference defines them)
+
+Keys are walked in blocks [n·BLOCK_N, (n+1)·BLOCK_N) counted from the sequence's first key, so a
+token meets the same keys in the same blocks in the same order whatever the layout: a full prefill,
+a left/right-padded batch, a packed batch, one chunk of a chunked prefill, or a decode step.
+The online softmax keeps (m, l, acc) in fp32; a key block entirely masked for a query row leaves
+that row's (m, l, acc) bitwise unchanged (alpha = exp2(0) = 1, p = 0, acc + 0·v = acc), so the
+extra blocks a tile walks for its other rows never change a row's bits. A row of a `tl.dot` result
+depends only on that row of its left operand, so which other rows share the tile does not matter
+either: decode pads its queries up to BLOCK_M with masked rows (and may fill the tile with the other
+query heads of the same KV head, `heads_per_tile`), keeping the same instruction shapes.
+
+Backward (FlashAttention-2 split, deterministic, no atomics): `delta = rowsum(dO·O)`; dQ by a
+program per query block looping over key blocks; dK/dV by a program per key block looping over the
+query heads of its group (fixed order) and over query blocks aligned to the sequence's first query.
+
+Scores are kept in log2 units: s = (q·k)·scale·log2(e), p = exp2(s − m); lse = m + log2(l).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from rl_engine.kernels.ops.triton.runtime import dot_fp32
+
+LOG2_E = 1.4426950408889634
+# The running max starts finite so that a block masked for a row gives alpha = exp2(0) = 1, not NaN.
+M_INIT = tl.constexpr(-1.0e30)
+NO_WINDOW = 1 << 30
+MAX_SEQUENCES = 65535  # the launch grid's third axis
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    forward: TileConfig
+    backward_dq: TileConfig
+    backward_dkdv: TileConfig
+
+
+def attention_config(dtype: torch.dtype, head_dim: int) -> AttentionConfig:
+    """The one tile configuration per (dtype, head_dim): never chosen from batch, length or layout."""
+    if head_dim > 256:
+        raise ValueError(f"q: head_dim must be at most 256, got {head_dim}")
+    if head_dim <= 32:  # small heads (the interpreter tests): several blocks even at S ~ 40
+        tile = TileConfig(16, 16, 4, 2)
+        return AttentionConfig(tile, tile, tile)
+    if dtype == torch.float32 or head_dim > 128:
+        return AttentionConfig(TileConfig(64, 32, 4, 2), TileConfig(64, 32, 4, 2), TileConfig(32, 64, 4, 2))
+    return AttentionConfig(
+        forward=TileConfig(128, 64, 8, 2),
+        backward_dq=TileConfig(64, 64, 4, 2),
+        backward_dkdv=TileConfig(64, 64, 8, 2),
+    )
+
+
+@dataclass(frozen=True)
+class SequenceTable:
+    """Per-sequence layout rows (see the module docstring) plus the host-side bounds of the grid."""
+
+    info: torch.Tensor  # int32 [Z, 6]: q_row0, q_count, q_pos0, k_row0, kv_len, window
+    max_q_count: int
+    max_kv_len: int
+
+    @property
+    def num_sequences(self) -> int:
+        return self.info.shape[0]
+
+
+def sequence_table(q_row0, q_count, q_pos0, k_row0, kv_len, window=None, *, max_q_count: int, max_kv_len: int):
+    if window is None:
+        window = torch.full_like(q_count, NO_WINDOW)
+    info = torch.stack([q_row0, q_count, q_pos0, k_row0, kv_len, window], dim=1).to(torch.int32).contiguous()
+    if info.shape[0] > MAX_SEQUENCES:
+        raise ValueError(f"cu_seqlens: at most {MAX_SEQUENCES} sequences per call, got {info.shape[0]}")
+    return SequenceTable(info, int(max_q_count), int(max_kv_len))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 operands (fp32 inputs, or the interpreter's upcast path) multiply in IEEE fp32, never TF32;
+    bf16/fp16 operands take the tensor cores with Triton's default setting."""
+    return "ieee" if dtype == torch.float32 or dot_fp32(dtype) else "tf32"
+
+
+# --------------------------------------------------------------------------------------------------
+# forward
+
+
+@triton.jit(do_not_specialize=["heads_per_tile", "q_per_tile"])
+def _flash_forward_kernel(
+    Q, K, V, O, LSE, SEQ_INFO,
+    stride_qr, stride_qh, stride_kr, stride_kh, stride_or, stride_oh, stride_lr,
+    qk_scale, group, heads_per_tile, q_per_tile, head_dim,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    info = SEQ_INFO + tl.program_id(2) * 6
+    q_row0 = tl.load(info + 0)
+    q_count = tl.load(info + 1)
+    q_pos0 = tl.load(info + 2)
+    k_row0 = tl.load(info + 3)
+    kv_len = tl.load(info + 4)
+    window = tl.load(info + 5)
+
+    # Tile row r holds query (pid_m·q_per_tile + r % q_per_tile) of head (first head + r // q_per_tile).
+    rows = tl.arange(0, BLOCK_M)
+    tile_head = rows // q_per_tile
+    q_idx = pid_m * q_per_tile + rows % q_per_tile
+    head = pid_h * heads_per_tile + tile_head
+    kv_head = (pid_h * heads_per_tile) // group
+    row_ok = (tile_head < heads_per_tile) & (q_idx < q_count)
+    q_pos = q_pos0 + q_idx
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+
+    q_off = (q_row0 + q_idx).to(tl.int64) * stride_qr + head * stride_qh
+    q = tl.load(Q + q_off[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    m = tl.full([BLOCK_M], M_INIT, dtype=tl.float32)
+    l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    hi = kv_len
+    if CAUSAL:
+        last_q = tl.minimum((pid_m + 1) * q_per_tile, q_count) - 1
+        hi = tl.minimum(kv_len, q_pos0 + last_q + 1)
+    hi = tl.where(pid_m * q_per_tile < q_count, hi, 0)  # a tile past the sequence's queries: no work
+    # Blocks stay aligned to the first key; only windowed (padding) rows skip the leading ones.
+    lo = (tl.maximum(q_pos0 + pid_m * q_per_tile - window + 1, 0) // BLOCK_N) * BLOCK_N
+    kv_base = K.dtype.element_ty
+    for start_n in range(lo, hi, BLOCK_N):
+        k_pos = start_n + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < kv_len
+        k_off = (k_row0 + k_pos).to(tl.int64) * stride_kr + kv_head * stride_kh
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        visible = k_ok[None, :] & (k_pos[None, :] > q_pos[:, None] - window)
+        if CAUSAL:
+            visible = visible & (k_pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.math.exp2(m - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        # p is rounded to the value dtype for the product (tensor-core operands); l sums the same
+        # rounded weights, so that out = Σ p̃·v / Σ p̃ stays a weighted mean of v (halves bf16 error).
+        p_v = p.to(kv_base)
+        l = l * alpha + tl.sum(p_v.to(tl.float32), 1)
+        if DOT_FP32:
+            p_v = p_v.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = tl.dot(p_v, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m = m_new
+
+    l_safe = tl.where(l > 0.0, l, 1.0)  # a query with no visible key outputs 0, not NaN
+    out = acc / l_safe[:, None]
+    o_off = (q_row0 + q_idx).to(tl.int64) * stride_or + head * stride_oh
+    tl.store(O + o_off[:, None] + d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    lse = m + tl.math.log2(l_safe)  # rows without keys are never stored
+    tl.store(LSE + (q_row0 + q_idx).to(tl.int64) * stride_lr + head, lse, mask=row_ok)
+
+
+def _check_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: expected contiguous rows [R,H,D]")
+    if k.shape != v.shape:
+        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+
+
+def flash_forward(q, k, v, table: SequenceTable, *, causal: bool, scale: float, heads_per_tile: int = 1):
+    """q [R,Hq,D], k/v [Rk,Hkv,D] contiguous rows -> (out [R,Hq,D] in q's dtype, lse [R,Hq] fp32 log2).
+
+    Rows no sequence covers are left uninitialised.
+    """
+    _check_rows(q, k, v)
+    rows, hq, head_dim = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    cfg = attention_config(q.dtype, head_dim).forward
+    if group % heads_per_tile or cfg.block_m % heads_per_tile:
+        raise ValueError(f"heads_per_tile={heads_per_tile} must divide the group {group} and BLOCK_M")
+    out = torch.empty_like(q)
+    lse = torch.empty((rows, hq), dtype=torch.float32, device=q.device)  # read back only for covered rows
+    q_per_tile = cfg.block_m // heads_per_tile
+    grid = (triton.cdiv(max(table.max_q_count, 1), q_per_tile), hq // heads_per_tile, table.num_sequences)
+    if table.num_sequences == 0 or rows == 0:
+        return out, lse
+    _flash_forward_kernel[grid](
+        q, k, v, out, lse, table.info,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+        scale * LOG2_E, group, heads_per_tile, q_per_tile, head_dim,
+        CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim), DOT_FP32=dot_fp32(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------------
+# backward
+
+
+@triton.jit
+def _flash_backward_delta_kernel(
+    O, DO, DELTA, n_rows, stride_r, stride_h, stride_dr, head_dim,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    mask = (r < n_rows)[:, None] & (d < head_dim)[None, :]
+    off = r.to(tl.int64)[:, None] * stride_r + head * stride_h + d[None, :]
+    o = tl.load(O + off, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DELTA + r.to(tl.int64) * stride_dr + head, tl.sum(o * do, 1), mask=r < n_rows)
+
+
+@triton.jit
+def _flash_backward_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, SEQ_INFO,
+    stride_qr, stride_qh, stride_kr, stride_kh, stride_lr,
+    qk_scale, scale, group, head_dim,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    info = SEQ_INFO + tl.program_id(2) * 6
+    q_row0 = tl.load(info + 0)
+    q_count = tl.load(info + 1)
+    q_pos0 = tl.load(info + 2)
+    k_row0 = tl.load(info + 3)
+    kv_len = tl.load(info + 4)
+    window = tl.load(info + 5)
+    kv_head = head // group
+
+    q_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = q_idx < q_count
+    q_pos = q_pos0 + q_idx
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    row_mask = row_ok[:, None] & d_ok[None, :]
+    q_off = (q_row0 + q_idx).to(tl.int64) * stride_qr + head * stride_qh
+    q = tl.load(Q + q_off[:, None] + d[None, :], mask=row_mask, other=0.0)
+    do = tl.load(DO + q_off[:, None] + d[None, :], mask=row_mask, other=0.0)
+    l_off = (q_row0 + q_idx).to(tl.int64) * stride_lr + head
+    lse = tl.load(LSE + l_off, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + l_off, mask=row_ok, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    hi = kv_len
+    if CAUSAL:
+        hi = tl.minimum(kv_len, q_pos0 + tl.minimum((pid_m + 1) * BLOCK_M, q_count))
+    hi = tl.where(pid_m * BLOCK_M < q_count, hi, 0)
+    lo = (tl.maximum(q_pos0 + pid_m * BLOCK_M - window + 1, 0) // BLOCK_N) * BLOCK_N
+    k_base = K.dtype.element_ty
+    for start_n in range(lo, hi, BLOCK_N):
+        k_pos = start_n + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < kv_len
+        k_off = (k_row0 + k_pos).to(tl.int64) * stride_kr + kv_head * stride_kh
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        visible = k_ok[None, :] & row_ok[:, None] & (k_pos[None, :] > q_pos[:, None] - window)
+        if CAUSAL:
+            visible = visible & (k_pos[None, :] <= q_pos[:, None])
+        p = tl.where(visible, tl.math.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        ds_k = ds.to(k_base)
+        if DOT_FP32:
+            ds_k = ds_k.to(tl.float32)
+        dq = tl.dot(ds_k, k, dq, input_precision=DOT_PRECISION)
+    dq = dq * scale
+    tl.store(DQ + q_off[:, None] + d[None, :], dq.to(DQ.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _flash_backward_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, SEQ_INFO,
+    stride_qr, stride_qh, stride_kr, stride_kh, stride_lr,
+    qk_scale, scale, group, head_dim,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    info = SEQ_INFO + tl.program_id(2) * 6
+    q_row0 = tl.load(info + 0)
+    q_count = tl.load(info + 1)
+    q_pos0 = tl.load(info + 2)
+    k_row0 = tl.load(info + 3)
+    kv_len = tl.load(info + 4)
+    window = tl.load(info + 5)
+
+    start_n = pid_n * BLOCK_N
+    k_pos = start_n + tl.arange(0, BLOCK_N)
+    k_ok = k_pos < kv_len
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    kv_mask = k_ok[:, None] & d_ok[None, :]
+    k_off = (k_row0 + k_pos).to(tl.int64) * stride_kr + kv_head * stride_kh
+    k = tl.load(K + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    # Query blocks are aligned to the sequence's first query; causal: skip those before this key block.
+    lo = 0
+    if CAUSAL:
+        lo = (tl.maximum(start_n - q_pos0, 0) // BLOCK_M) * BLOCK_M
+    hi = tl.where(start_n < kv_len, q_count, 0)
+    hi = tl.minimum(hi, start_n + BLOCK_N - 1 + window - q_pos0)  # the window's last query (padding rows)
+    q_base = Q.dtype.element_ty
+    for g in range(0, group):  # the group's query heads, summed in a fixed order (no atomics)
+        head = kv_head * group + g
+        for start_m in range(lo, hi, BLOCK_M):
+            q_idx = start_m + tl.arange(0, BLOCK_M)
+            row_ok = q_idx < q_count
+            q_pos = q_pos0 + q_idx
+            row_mask = row_ok[:, None] & d_ok[None, :]
+            q_off = (q_row0 + q_idx).to(tl.int64) * stride_qr + head * stride_qh
+            q = tl.load(Q + q_off[:, None] + d[None, :], mask=row_mask, other=0.0)
+            do = tl.load(DO + q_off[:, None] + d[None, :], mask=row_mask, other=0.0)
+            l_off = (q_row0 + q_idx).to(tl.int64) * stride_lr + head
+            lse = tl.load(LSE + l_off, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + l_off, mask=row_ok, other=0.0)
+            if DOT_FP32:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+            visible = k_ok[:, None] & row_ok[None, :] & (k_pos[:, None] > q_pos[None, :] - window)
+            if CAUSAL:
+                visible = visible & (k_pos[:, None] <= q_pos[None, :])
+            p_t = tl.where(visible, tl.math.exp2(s_t - lse[None, :]), 0.0)
+            p_do = p_t.to(q_base)
+            if DOT_FP32:
+                p_do = p_do.to(tl.float32)
+            dv = tl.dot(p_do, do, dv, input_precision=DOT_PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            ds_q = ds_t.to(q_base)
+            if DOT_FP32:
+                ds_q = ds_q.to(tl.float32)
+            dk = tl.dot(ds_q, q, dk, input_precision=DOT_PRECISION)
+    dk = dk * scale
+    tl.store(DK + k_off[:, None] + d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + k_off[:, None] + d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+DELTA_BLOCK_R = 32
+
+
+def flash_backward(do, q, k, v, out, lse, table: SequenceTable, *, causal: bool, scale: float):
+    """Gradients (dq, dk, dv) of `flash_forward` (heads_per_tile = 1) for rows of q, k, v.
+
+    Every row of q and k must belong to one sequence of the table (rows no sequence covers are garbage).
+    """
+    _check_rows(q, k, v)
+    do = do.contiguous()
+    rows, hq, head_dim = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    cfg = attention_config(q.dtype, head_dim)
+    block_d = triton.next_power_of_2(head_dim)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if table.num_sequences == 0 or rows == 0:
+        return dq, dk, dv
+    delta = torch.empty((rows, hq), dtype=torch.float32, device=q.device)
+    _flash_backward_delta_kernel[(triton.cdiv(rows, DELTA_BLOCK_R), hq)](
+        out, do, delta, rows, out.stride(0), out.stride(1), delta.stride(0), head_dim,
+        BLOCK_R=DELTA_BLOCK_R, BLOCK_D=block_d,
+    )
+    common = dict(CAUSAL=causal, BLOCK_D=block_d, DOT_FP32=dot_fp32(q.dtype), DOT_PRECISION=dot_precision(q.dtype))
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0))
+    c = cfg.backward_dq
+    _flash_backward_dq_kernel[(triton.cdiv(max(table.max_q_count, 1), c.block_m), hq, table.num_sequences)](
+        q, k, v, do, lse, delta, dq, table.info, *strides, scale * LOG2_E, scale, group, head_dim,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **common,
+    )
+    c = cfg.backward_dkdv
+    _flash_backward_dkdv_kernel[(triton.cdiv(max(table.max_kv_len, 1), c.block_n), hkv, table.num_sequences)](
+        q, k, v, do, lse, delta, dk, dv, table.info, *strides, scale * LOG2_E, scale, group, head_dim,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **common,
+    )
+    return dq, dk, dv
+
+
+def default_scale(head_dim: int, scale: float | None) -> float:
+    return float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)

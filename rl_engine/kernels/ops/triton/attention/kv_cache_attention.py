@@ -1,0 +1,75 @@
+"""Attention of Sq new queries against a KV cache in Triton (chunked prefill, decode).
+
+q [B,Sq,Hq,D], k_cache/v_cache [B,Smax,Hkv,D], cache_seqlens [B] = valid cached length, the new
+tokens included: query i of row b sits at position cache_seqlens[b] − Sq + i and attends to cache
+positions <= its own. It runs the forward kernel of `flash.py` with the same tiles as the prefill
+(key blocks aligned to cache position 0), so a token's output has the same bits as in a full prefill,
+a packed batch, or any chunking. To use the tile's rows when Sq is small (decode), the tile is filled
+with the other query heads of the same KV head; a row's result does not depend on its neighbours.
+
+Cached positions at or beyond cache_seqlens[b] are never read (they may hold anything, even NaN).
+Lengths are checked against [Sq, Smax] when cache_seqlens lives on the CPU; on the GPU they are
+clamped to [0, Smax] instead, so a decode step costs no device-to-host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_engine.kernels.ops.pytorch.attention.kv_cache_attention import NativeKvCacheAttentionOp
+from rl_engine.kernels.ops.triton.attention.flash import (
+    attention_config,
+    default_scale,
+    flash_forward,
+    sequence_table,
+)
+
+
+def _heads_per_tile(group: int, block_m: int, sq: int) -> int:
+    """How many query heads of one KV head share a tile: the most that still fit Sq queries each."""
+    best = 1
+    for h in range(1, group + 1):
+        if group % h == 0 and block_m % h == 0 and block_m // h >= sq:
+            best = h
+    return best
+
+
+def triton_kv_cache_attention(q, k_cache, v_cache, cache_seqlens, *, scale: float | None = None):
+    """[B,Sq,Hq,D] in q's dtype (forward only)."""
+    op = NativeKvCacheAttentionOp(scale)
+    if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.device.type == "cpu":
+        op.validate(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens)
+    else:  # the same shape checks, without reading the lengths back from the device
+        op.validate(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=torch.full((q.shape[0],), q.shape[1]))
+        if cache_seqlens.is_floating_point():
+            raise ValueError(f"cache_seqlens: expected integer lengths [B], got dtype {cache_seqlens.dtype}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"k_cache, v_cache: expected q's dtype {q.dtype}, got {k_cache.dtype}, {v_cache.dtype}")
+    b, sq, hq, d = q.shape
+    smax, hkv = k_cache.shape[1], k_cache.shape[2]
+    device = q.device
+    lengths = cache_seqlens.to(device=device, dtype=torch.int32).clamp(0, smax)
+    batch = torch.arange(b, dtype=torch.int32, device=device)
+    table = sequence_table(
+        batch * sq, torch.full_like(lengths, sq), lengths - sq, batch * smax, lengths,
+        max_q_count=sq, max_kv_len=smax,
+    )
+    block_m = attention_config(q.dtype, d).forward.block_m
+    rows = [t.reshape(-1, t.shape[2], t.shape[3]).contiguous() for t in (q, k_cache, v_cache)]
+    out, _ = flash_forward(
+        *rows, table, causal=True, scale=default_scale(d, scale),
+        heads_per_tile=_heads_per_tile(hq // hkv, block_m, sq),
+    )
+    return out.reshape(q.shape)
+
+
+class TritonKvCacheAttentionOp:
+    """Candidate for NativeKvCacheAttentionOp: op(q=, k_cache=, v_cache=, cache_seqlens=)."""
+
+    input_names = ("q", "k_cache", "v_cache", "cache_seqlens")
+
+    def __init__(self, scale: float | None = None):
+        self.scale = scale
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens):
+        return triton_kv_cache_attention(q, k_cache, v_cache, cache_seqlens, scale=self.scale)

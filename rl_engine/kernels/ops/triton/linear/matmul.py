@@ -1,0 +1,312 @@
+"""Batch-invariant persistent GEMM: c[M,N] = a[M,K] @ b[K,N], and the matmul op built on it.
+
+Why a row's bits never depend on M (DESIGN.md rule 1): the tile configuration is looked up from
+(dtype, N, K) only, there is no split-K, and every output tile is one fp32 accumulator that walks
+K in BLOCK_K steps from 0 upwards with the same `tl.dot` instruction shapes. M only changes how
+many tiles exist and which program runs which tile, never the arithmetic of a tile. Rows past M
+are padding that is computed and thrown away. `M` is excluded from Triton's argument
+specialisation so M = 1 (or M % 16 == 0) compiles the same kernel as any other M.
+
+The kernel is persistent: grid = min(#SMs, #tiles) programs, each looping over tiles with a
+stride of #SMs (grouped ordering for L2 reuse). Two variants share that structure:
+- `_matmul_tma_kernel` loads tiles through host-built TMA tensor descriptors (Hopper; the fast
+  path), with either operand allowed to be stored transposed (weight.t(), a.t() in backward);
+- `_matmul_pointer_kernel` loads through arbitrary strides (any layout or alignment).
+Which one runs is fixed by the config table and by (dtype, N, K, b's layout): never by M.
+
+Under the CPU interpreter bf16/fp16 `tl.dot` is wrong, so `DOT_FP32` upcasts the operands first
+(runtime.dot_fp32); the interpreter also gets its own small fixed config. fp32 operands use
+input_precision="ieee" (no TF32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from rl_engine.kernels.ops.pytorch.linear.matmul import NativeMatmulOp
+from rl_engine.kernels.ops.triton.runtime import dot_fp32, interpreting
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+    """One fixed tile configuration. `tma` asks for the descriptor kernel where layouts allow it."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    tma: bool = True
+
+
+# The fixed configurations, as data. Key: dtype name, then optional (N, K) overrides for a dtype.
+# Chosen for the H200 (sm90, 227 KB shared memory per block); `benchmarks/matmul.py --sweep`
+# measures candidates at M = 8192 so the table can be revised from evidence. Never keyed by M.
+GPU_CONFIGS: dict[str, MatmulConfig] = {
+    "bfloat16": MatmulConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
+    "float16": MatmulConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
+    # ieee fp32 runs on FMA units, not tensor cores: smaller N tile, pointer loads.
+    "float32": MatmulConfig(block_m=128, block_n=128, block_k=32, group_m=8, num_warps=8, num_stages=3, tma=False),
+}
+GPU_CONFIG_OVERRIDES: dict[tuple[str, int, int], MatmulConfig] = {}
+
+# The interpreter runs every program in Python: small tiles keep CPU tests fast. Still fixed.
+INTERPRETER_CONFIG = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1, tma=False)
+INTERPRETER_PROGRAMS = 4  # stands in for the SM count: several tiles per program, as on the GPU
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def matmul_config(dtype: torch.dtype, n: int, k: int) -> MatmulConfig:
+    """The fixed configuration for a product with N output columns and reduction length K."""
+    if interpreting():
+        return INTERPRETER_CONFIG
+    name = _dtype_name(dtype)
+    return GPU_CONFIG_OVERRIDES.get((name, n, k), GPU_CONFIGS[name])
+
+
+@functools.cache
+def _num_programs(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped tile order: GROUP_M row-tiles share each column sweep, so b tiles stay in L2."""
+    tiles_per_group = GROUP_M * num_pid_n
+    first_m = (tile_id // tiles_per_group) * GROUP_M
+    rows_in_group = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile_id % tiles_per_group) % rows_in_group
+    pid_n = (tile_id % tiles_per_group) // rows_in_group
+    return pid_m, pid_n
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_pointer_kernel(
+    a_ptr, b_ptr, c_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    start = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    offs_k0 = tl.arange(0, BLOCK_K)
+    # The epilogue recomputes its tile from a second counter: the flattened-loop pipeliner
+    # mishandles a value used both before and after the K loop (Triton tutorial 09).
+    tile_id_c = start - NUM_PROGRAMS
+    for tile_id in tl.range(start, num_tiles, NUM_PROGRAMS, flatten=True):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Rows/columns past the edge re-read row/column 0 (never stored), so loads need no M/N mask.
+        offs_m = tl.max_contiguous(tl.multiple_of(tl.where(offs_m < M, offs_m, 0), BLOCK_M), BLOCK_M)
+        offs_n = tl.max_contiguous(tl.multiple_of(tl.where(offs_n < N, offs_n, 0), BLOCK_N), BLOCK_N)
+        # 64-bit pointers advanced by BLOCK_K each step: offsets times strides can pass 2^31
+        # (e.g. d_weight of the lm_head reads logits' gradient transposed, stride V = 151936).
+        a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k0[None, :] * stride_ak
+        b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k0[:, None] * stride_bk
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            k_left = K - ki * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k0[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k0[:, None] < k_left, other=0.0)
+            if DOT_FP32:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+
+        tile_id_c += NUM_PROGRAMS
+        pid_m, pid_n = _tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
+        offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        c_ptrs = c_ptr + offs_cm.to(tl.int64)[:, None] * stride_cm + offs_cn[None, :] * stride_cn
+        c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_tma_kernel(
+    a_desc, b_desc, c_desc, M, N, K,
+    A_TRANS: tl.constexpr, B_TRANS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    # A_TRANS: a_desc describes the stored [K,M] tensor whose transpose is a; B_TRANS: b_desc
+    # describes the stored [N,K] tensor (a weight) whose transpose is b. TMA zero-fills outside.
+    start = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tile_id_c = start - NUM_PROGRAMS  # see _matmul_pointer_kernel
+    for tile_id in tl.range(start, num_tiles, NUM_PROGRAMS, flatten=True):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            off_k = ki * BLOCK_K
+            if A_TRANS:
+                a = a_desc.load([off_k, off_m]).T
+            else:
+                a = a_desc.load([off_m, off_k])
+            if B_TRANS:
+                b = b_desc.load([off_n, off_k]).T
+            else:
+                b = b_desc.load([off_k, off_n])
+            if DOT_FP32:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+        tile_id_c += NUM_PROGRAMS
+        pid_m, pid_n = _tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
+        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
+
+
+def _stored_row_major(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """(s, transposed) with s row-major (unit column stride) and t == (s.t() if transposed else s).
+
+    Size-1 dimensions get their canonical stride so that M = 1 views land on the same path as any
+    other M. None when t is neither row- nor column-major, or its rows overlap (broadcast): the
+    caller then copies it or uses the pointer kernel.
+    """
+    rows, cols = t.shape
+    # Unit stride along one dimension and rows that do not overlap (no broadcast stride 0).
+    if (t.stride(1) == 1 or cols == 1) and (rows == 1 or t.stride(0) >= cols):
+        return t.as_strided((rows, cols), (t.stride(0) if rows > 1 else cols, 1)), False
+    if (t.stride(0) == 1 or rows == 1) and (cols == 1 or t.stride(1) >= rows):
+        return t.as_strided((cols, rows), (t.stride(1) if cols > 1 else rows, 1)), True
+    return None
+
+
+def _tma_compatible(s: torch.Tensor) -> bool:
+    """TMA wants a 16-byte aligned base and 16-byte aligned row stride."""
+    size = s.element_size()
+    return s.data_ptr() % 16 == 0 and (s.stride(0) * size) % 16 == 0
+
+
+def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
+    if not isinstance(a, torch.Tensor) or a.dim() != 2:
+        raise ValueError(f"a: expected a tensor of shape [M,K], got {getattr(a, 'shape', type(a).__name__)}")
+    if not isinstance(b, torch.Tensor) or b.dim() != 2 or b.shape[0] != a.shape[1]:
+        got = tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__
+        raise ValueError(f"b: expected shape [K,N] with K={a.shape[1]} (from a), got {got}")
+    if a.dtype not in SUPPORTED_DTYPES or b.dtype != a.dtype:
+        raise ValueError(f"a, b: expected one dtype among bf16/fp16/fp32, got {a.dtype} and {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"a, b: expected one device, got {a.device} and {b.device}")
+
+
+def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig | None = None) -> torch.Tensor:
+    """c = a @ b in a's dtype, fp32 accumulation; row i of c depends only on a[i] and b.
+
+    a: [M,K], b: [K,N], any strides (b is typically weight.t(): no copy is made).
+    `config` overrides the fixed table: for sweeps and tests only, since changing it changes bits.
+    """
+    _check_operands(a, b)
+    (m, k), n = a.shape, b.shape[1]
+    if m == 0 or n == 0 or k == 0:
+        return torch.zeros((m, n), dtype=a.dtype, device=a.device)
+    # The interpreter casts fp32 -> bf16 by truncation; the GPU rounds to nearest even. Under the
+    # interpreter the kernel stores fp32 and torch rounds, so both paths round the same way.
+    round_on_host = interpreting() and a.dtype == torch.bfloat16
+    c = torch.empty((m, n), dtype=torch.float32 if round_on_host else a.dtype, device=a.device)
+    cfg = config or matmul_config(a.dtype, n, k)
+    num_programs = INTERPRETER_PROGRAMS if interpreting() else _num_programs(a.device.index or 0)
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)  # host ceil-div (triton.cdiv is a slow jit call here)
+    grid = (min(num_programs, tiles),)
+    upcast = dot_fp32(a.dtype)
+    precision = "ieee" if (a.dtype == torch.float32 or upcast) else "tf32"
+    common = dict(
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        NUM_PROGRAMS=num_programs, DOT_FP32=upcast, INPUT_PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+    # TMA needs 16-byte aligned rows; K and N decide, and b's layout (a weight's: fixed).
+    aligned = (k * a.element_size()) % 16 == 0 and (n * a.element_size()) % 16 == 0
+    b_stored = _stored_row_major(b) if cfg.tma and aligned else None
+    if b_stored is not None and _tma_compatible(b_stored[0]):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        a_stored = _stored_row_major(a)
+        if a_stored is None or not _tma_compatible(a_stored[0]):
+            # An activation is cheap to copy, and which kernel runs must not depend on where it lives.
+            a_stored = (torch.empty((m, k), dtype=a.dtype, device=a.device).copy_(a), False)
+        (sa, a_trans), (sb, b_trans) = a_stored, b_stored
+        a_block = [cfg.block_k, cfg.block_m] if a_trans else [cfg.block_m, cfg.block_k]
+        b_block = [cfg.block_n, cfg.block_k] if b_trans else [cfg.block_k, cfg.block_n]
+        _matmul_tma_kernel[grid](
+            TensorDescriptor.from_tensor(sa, a_block),
+            TensorDescriptor.from_tensor(sb, b_block),
+            TensorDescriptor.from_tensor(c, [cfg.block_m, cfg.block_n]),
+            m, n, k, A_TRANS=a_trans, B_TRANS=b_trans, **common,
+        )  # fmt: skip
+    else:
+        _matmul_pointer_kernel[grid](
+            a, b, c, m, n, k,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+            **common,
+        )  # fmt: skip
+    return c.to(a.dtype) if round_on_host else c
+
+
+# Registered as a torch custom op so torch.compile traces models that use it without a graph break.
+@torch.library.custom_op("rl_engine::batch_invariant_mm", mutates_args=())
+def batch_invariant_mm_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Differentiable `batch_invariant_mm` with the fixed config (torch.ops.rl_engine.batch_invariant_mm)."""
+    return batch_invariant_mm(a, b)
+
+
+@batch_invariant_mm_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    _check_operands(a, b)
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+def _mm_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _mm_backward(ctx, grad_c: torch.Tensor):
+    """dA = dC @ b^T (its rows are batch-invariant); dB = a^T @ dC (reduces over M: deterministic)."""
+    a, b = ctx.saved_tensors
+    grad_a = batch_invariant_mm_op(grad_c, b.t()) if ctx.needs_input_grad[0] else None
+    grad_b = batch_invariant_mm_op(a.t(), grad_c) if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b
+
+
+batch_invariant_mm_op.register_autograd(_mm_backward, setup_context=_mm_setup_context)
+
+
+def triton_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """out[..., :] = a[..., :] @ b for a of any leading shape [..., K] and b [K,N]; differentiable."""
+    lead = a.shape[:-1]
+    out = batch_invariant_mm_op(a.reshape(-1, a.shape[-1]), b)
+    return out.reshape(*lead, b.shape[1])
+
+
+class TritonMatmulOp:
+    """Triton candidate for NativeMatmulOp: a [B,S,K] @ b [K,N] -> [B,S,N] in the inputs' dtype."""
+
+    input_names = NativeMatmulOp.input_names
+
+    def __call__(self, *, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        NativeMatmulOp().validate(a=a, b=b)
+        return triton_matmul(a, b)

@@ -1,0 +1,358 @@
+"""Fused linear + selected-token log-probability in Triton, never materializing [tokens, V] logits.
+
+logp[n] = z[n, t_n] - logsumexp_v z[n, v], with z = hidden @ W^T (+ bias), fp32 accumulation.
+
+Forward (two kernels):
+  1. `_partials_kernel`: one program per [BLOCK_T tokens, BLOCK_V vocab] tile computes the logits
+     tile with `tl.dot` (fixed K loop over H), then per token the tile's max and sum of exp, and
+     the target logit when the target falls in the tile. Partials go to [N, cdiv(V, BLOCK_V)].
+  2. `_combine_kernel`: one program per token folds its partials in vocabulary order -> lse, logp.
+Backward, for each vocabulary chunk of VOCAB_CHUNK columns (a fixed size, fixed order):
+  1. `_dlogits_kernel` recomputes the logits tile exactly as the forward did and writes
+     dlogits = g * (onehot - exp(z - lse)) for the chunk ([N, VOCAB_CHUNK], compute dtype);
+  2. `_matmul_kernel`: grad_hidden (fp32 accumulator) += dlogits @ W[chunk];
+  3. `_matmul_kernel`: grad_W[chunk] = dlogits^T @ hidden, a program owning a [BLOCK_M, BLOCK_N]
+     tile of grad_W and looping over all tokens in order; grad_bias[chunk] = column sums, same loop.
+
+Batch invariance: a token's logp and hidden gradient depend only on its own row - a row of a
+`tl.dot` tile does not depend on the other rows, tile shapes and K order are fixed per dtype,
+vocabulary tiles and chunks are folded in a fixed order - never on the number of tokens or the
+tile row the token landed in. The weight and bias gradients are sums over tokens: deterministic
+(fixed order, no atomics) but, by nature, dependent on the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rl_engine.kernels.ops.pytorch.base import expect_rank, expect_shape
+from rl_engine.kernels.ops.pytorch.loss.linear_logp import NativeLinearLogpOp
+from rl_engine.kernels.ops.triton.runtime import cast_rne, dot_fp32, interpreting
+
+# One fixed configuration per dtype (never keyed on the number of tokens).
+_GPU_CONFIGS = {
+    "16bit": dict(BLOCK_T=128, BLOCK_V=128, BLOCK_H=64, GROUP=16, num_warps=8, num_stages=3, VOCAB_CHUNK=4096),
+    "fp32": dict(BLOCK_T=64, BLOCK_V=64, BLOCK_H=32, GROUP=16, num_warps=4, num_stages=2, VOCAB_CHUNK=4096),
+}
+# Small tiles under the CPU interpreter, so tests at V ~ 100, H ~ 32 cross tile and chunk borders.
+_INTERPRETER_CONFIG = dict(BLOCK_T=16, BLOCK_V=16, BLOCK_H=16, GROUP=2, num_warps=1, num_stages=1, VOCAB_CHUNK=32)
+
+
+def config(dtype: torch.dtype) -> dict:
+    if interpreting():
+        return dict(_INTERPRETER_CONFIG)
+    return dict(_GPU_CONFIGS["fp32" if dtype == torch.float32 else "16bit"])
+
+
+@triton.jit
+def _grouped_tile(pid, num_m, num_n, GROUP: tl.constexpr):
+    # Launch order only (for L2 reuse): GROUP row-tiles sweep all column-tiles together.
+    # It never changes what a tile computes.
+    per_group = GROUP * num_n
+    first_m = (pid // per_group) * GROUP
+    size = tl.minimum(num_m - first_m, GROUP)
+    tile_m = first_m + (pid % per_group) % size
+    tile_n = (pid % per_group) // size
+    return tile_m, tile_n
+
+
+@triton.jit
+def _logits_tile(
+    hidden_ptr, weight_ptr, bias_ptr, rows, cols, H,
+    stride_hn, stride_hh, stride_wv, stride_wh,
+    HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    EVEN_H: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    # fp32 [BLOCK_T, BLOCK_V] tile of hidden @ W^T (+ bias); rows/cols must be in range (callers wrap).
+    offs_k = tl.arange(0, BLOCK_H)
+    h_ptrs = hidden_ptr + rows.to(tl.int64)[:, None] * stride_hn + offs_k[None, :] * stride_hh
+    w_ptrs = weight_ptr + cols.to(tl.int64)[None, :] * stride_wv + offs_k[:, None] * stride_wh
+    acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_H)):
+        if EVEN_H:
+            h = tl.load(h_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_mask = offs_k < H - k * BLOCK_H
+            h = tl.load(h_ptrs, mask=k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+        if DOT_FP32:
+            h = h.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(h, w, acc, input_precision=INPUT_PRECISION)
+        h_ptrs += BLOCK_H * stride_hh
+        w_ptrs += BLOCK_H * stride_wh
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def _partials_kernel(
+    hidden_ptr, weight_ptr, bias_ptr, target_ptr, part_max_ptr, part_sum_ptr, target_logit_ptr,
+    N, V, H, stride_hn, stride_hh, stride_wv, stride_wh, num_vtiles,
+    HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    GROUP: tl.constexpr, EVEN_H: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    tile_t, tile_v = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_T), num_vtiles, GROUP)
+    rows = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tile_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    acc = _logits_tile(
+        hidden_ptr, weight_ptr, bias_ptr, rows % N, cols % V, H,
+        stride_hn, stride_hh, stride_wv, stride_wh,
+        HAS_BIAS, BLOCK_T, BLOCK_V, BLOCK_H, EVEN_H, DOT_FP32, INPUT_PRECISION,
+    )
+    acc = tl.where((cols < V)[None, :], acc, float("-inf"))
+    tile_max = tl.max(acc, axis=1)
+    tile_sum = tl.sum(tl.exp(acc - tile_max[:, None]), axis=1)
+    row_ok = rows < N
+    rows64 = rows.to(tl.int64)
+    tl.store(part_max_ptr + rows64 * num_vtiles + tile_v, tile_max, mask=row_ok)
+    tl.store(part_sum_ptr + rows64 * num_vtiles + tile_v, tile_sum, mask=row_ok)
+    target = tl.load(target_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
+    picked = tl.sum(tl.where(cols[None, :] == target[:, None], acc, 0.0), axis=1)
+    in_tile = (target >= tile_v * BLOCK_V) & (target < tile_v * BLOCK_V + BLOCK_V) & (target < V)
+    tl.store(target_logit_ptr + rows, picked, mask=row_ok & in_tile)
+
+
+@triton.jit
+def _combine_kernel(
+    part_max_ptr, part_sum_ptr, target_logit_ptr, logp_ptr, lse_ptr, num_vtiles,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < num_vtiles
+    m = tl.load(part_max_ptr + row * num_vtiles + offs, mask=mask, other=float("-inf"))
+    s = tl.load(part_sum_ptr + row * num_vtiles + offs, mask=mask, other=0.0)
+    row_max = tl.max(m, axis=0)
+    total = tl.sum(tl.where(s > 0, s * tl.exp(m - row_max), 0.0), axis=0)
+    lse = row_max + tl.log(total)
+    tl.store(logp_ptr + row, tl.load(target_logit_ptr + row) - lse)
+    tl.store(lse_ptr + row, lse)
+
+
+@triton.jit
+def _dlogits_kernel(
+    hidden_ptr, weight_ptr, bias_ptr, target_ptr, lse_ptr, grad_out_ptr, dlogits_ptr,
+    N, V, H, v_start, v_stop, stride_hn, stride_hh, stride_wv, stride_wh, stride_dn,
+    HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    GROUP: tl.constexpr, EVEN_H: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    # dlogits[:, v_start:v_stop] = g * (onehot - softmax), from logits recomputed bit for bit as in
+    # the forward (same tile shapes, same K order; v_start is a multiple of BLOCK_V).
+    num_vtiles = tl.cdiv(v_stop - v_start, BLOCK_V)
+    tile_t, tile_v = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_T), num_vtiles, GROUP)
+    rows = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    local = tile_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    cols = v_start + local
+    acc = _logits_tile(
+        hidden_ptr, weight_ptr, bias_ptr, rows % N, cols % V, H,
+        stride_hn, stride_hh, stride_wv, stride_wh,
+        HAS_BIAS, BLOCK_T, BLOCK_V, BLOCK_H, EVEN_H, DOT_FP32, INPUT_PRECISION,
+    )
+    row_ok = rows < N
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    g = tl.load(grad_out_ptr + rows, mask=row_ok, other=0.0)
+    target = tl.load(target_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
+    onehot = tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
+    dlogits = g[:, None] * (onehot - tl.exp(acc - lse[:, None]))
+    ptrs = dlogits_ptr + rows.to(tl.int64)[:, None] * stride_dn + local[None, :]
+    tl.store(ptrs, cast_rne(dlogits, dlogits_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < v_stop)[None, :])
+
+
+@triton.jit
+def _matmul_kernel(
+    a_ptr, b_ptr, c_ptr, row_sum_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    ACCUMULATE: tl.constexpr, ROW_SUM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    # C[M, N] (+)= A[M, K] @ B[K, N] in fp32 with a fixed K order; one program owns one C tile, so
+    # a row of C depends only on that row of A, and sums over K need no atomics.
+    # ROW_SUM: programs of the first column-tile also write sum_k A[m, k] (the bias gradient).
+    tile_m, tile_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Masks, not index wrapping, on M and N: `rows % M` would hide the contiguity of the unit-stride
+    # side (A is read transposed for the weight gradient) and stop vectorized, pipelined loads.
+    row_ok = rows < M
+    col_ok = cols < N
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k.to(tl.int64)[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k.to(tl.int64)[:, None] * stride_bk + cols[None, :] * stride_bn
+    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+    c_mask = row_ok[:, None] & col_ok[None, :]
+    if ACCUMULATE:
+        acc = tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if ROW_SUM:
+            row_sum += tl.sum(a.to(tl.float32), axis=1)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    tl.store(c_ptrs, cast_rne(acc, c_ptr.dtype.element_ty), mask=c_mask)
+    if ROW_SUM:
+        tl.store(row_sum_ptr + rows, cast_rne(row_sum, row_sum_ptr.dtype.element_ty), mask=(rows < M) & (tile_n == 0))
+
+
+def _dot_options(dtype: torch.dtype) -> dict:
+    # fp32 operands: IEEE fp32 products (TF32 would break the fp32 reference); 16-bit: tensor cores.
+    return dict(DOT_FP32=dot_fp32(dtype), INPUT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
+
+
+def _matmul(a, b, c, *, accumulate=False, row_sum=None, cfg) -> None:
+    m, k = a.shape
+    n = b.shape[1]
+    grid = (triton.cdiv(m, cfg["BLOCK_T"]) * triton.cdiv(n, cfg["BLOCK_V"]),)
+    _matmul_kernel[grid](
+        a, b, c, row_sum if row_sum is not None else c, m, n, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        ACCUMULATE=accumulate, ROW_SUM=row_sum is not None,
+        BLOCK_M=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_H"], GROUP=cfg["GROUP"],
+        EVEN_K=k % cfg["BLOCK_H"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **_dot_options(a.dtype),
+    )
+
+
+def _forward(hidden, weight, bias, targets, cfg):
+    n, h = hidden.shape
+    v = weight.shape[0]
+    num_vtiles = triton.cdiv(v, cfg["BLOCK_V"])
+    part_max = torch.empty(n, num_vtiles, dtype=torch.float32, device=hidden.device)
+    part_sum = torch.empty_like(part_max)
+    target_logit = torch.full((n,), float("nan"), dtype=torch.float32, device=hidden.device)
+    grid = (triton.cdiv(n, cfg["BLOCK_T"]) * num_vtiles,)
+    _partials_kernel[grid](
+        hidden, weight, bias if bias is not None else weight, targets, part_max, part_sum, target_logit,
+        n, v, h, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), num_vtiles,
+        HAS_BIAS=bias is not None, BLOCK_T=cfg["BLOCK_T"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"],
+        GROUP=cfg["GROUP"], EVEN_H=h % cfg["BLOCK_H"] == 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dot_options(hidden.dtype),
+    )
+    logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    lse = torch.empty_like(logp)
+    _combine_kernel[(n,)](
+        part_max, part_sum, target_logit, logp, lse, num_vtiles,
+        BLOCK=triton.next_power_of_2(num_vtiles), num_warps=4 if not interpreting() else 1,
+    )
+    return logp, lse
+
+
+def _backward(hidden, weight, bias, targets, lse, grad_out, cfg, need_hidden, need_weight, need_bias):
+    n, h = hidden.shape
+    v = weight.shape[0]
+    chunk = cfg["VOCAB_CHUNK"]
+    dlogits = torch.empty(n, min(chunk, v), dtype=hidden.dtype, device=hidden.device)
+    # fp32 accumulator across vocabulary chunks (it is the output itself for fp32 hidden).
+    grad_hidden = torch.zeros(n, h, dtype=torch.float32, device=hidden.device) if need_hidden else None
+    grad_weight = torch.empty_like(weight) if need_weight else None
+    grad_bias = torch.empty_like(bias) if need_bias else None
+    for v_start in range(0, v, chunk):
+        v_stop = min(v_start + chunk, v)
+        d = dlogits[:, : v_stop - v_start]
+        grid = (triton.cdiv(n, cfg["BLOCK_T"]) * triton.cdiv(v_stop - v_start, cfg["BLOCK_V"]),)
+        _dlogits_kernel[grid](
+            hidden, weight, bias if bias is not None else weight, targets, lse, grad_out, d,
+            n, v, h, v_start, v_stop, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+            d.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_T=cfg["BLOCK_T"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"],
+            GROUP=cfg["GROUP"], EVEN_H=h % cfg["BLOCK_H"] == 0,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dot_options(hidden.dtype),
+        )
+        if need_hidden:
+            _matmul(d, weight[v_start:v_stop], grad_hidden, accumulate=v_start > 0, cfg=cfg)
+        if need_weight or need_bias:
+            out = grad_weight[v_start:v_stop] if need_weight else torch.empty(
+                v_stop - v_start, h, dtype=hidden.dtype, device=hidden.device
+            )
+            row_sum = grad_bias[v_start:v_stop] if need_bias else None
+            _matmul(d.t(), hidden, out, row_sum=row_sum, cfg=cfg)
+    return grad_hidden, grad_weight, grad_bias
+
+
+class _LinearLogpFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target_ids, bias):
+        batch_shape, h = hidden.shape[:-1], hidden.shape[-1]
+        dtype = torch.promote_types(hidden.dtype, weight.dtype)
+        rows = hidden.reshape(-1, h).to(dtype)
+        w = weight.to(dtype)
+        targets = target_ids.reshape(-1).contiguous()
+        cfg = config(dtype)
+        if rows.shape[0]:
+            logp, lse = _forward(rows, w, bias, targets, cfg)
+        else:
+            logp = lse = rows.new_empty(0, dtype=torch.float32)
+        ctx.save_for_backward(rows, w, bias, targets, lse)
+        ctx.shapes = (hidden.shape, hidden.dtype, weight.dtype)
+        return logp.reshape(batch_shape)
+
+    @staticmethod
+    def backward(ctx, grad_logp):
+        rows, w, bias, targets, lse = ctx.saved_tensors
+        hidden_shape, hidden_dtype, weight_dtype = ctx.shapes
+        need_hidden, need_weight, _, need_bias = ctx.needs_input_grad
+        if rows.shape[0] == 0:
+            return (
+                torch.zeros(hidden_shape, dtype=hidden_dtype, device=rows.device) if need_hidden else None,
+                torch.zeros_like(w, dtype=weight_dtype) if need_weight else None,
+                None,
+                torch.zeros_like(bias) if need_bias else None,
+            )
+        grad_out = grad_logp.reshape(-1).to(torch.float32).contiguous()
+        grad_hidden, grad_weight, grad_bias = _backward(
+            rows, w, bias, targets, lse, grad_out, config(rows.dtype), need_hidden, need_weight, need_bias
+        )
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.to(hidden_dtype).reshape(hidden_shape)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight_dtype)
+        return grad_hidden, grad_weight, None, grad_bias
+
+
+def _validate(hidden, lm_head_weight, target_ids, bias) -> None:
+    expect_rank("hidden", hidden, 3, "[B,S,H]")
+    b, s, h = hidden.shape
+    expect_rank("lm_head_weight", lm_head_weight, 2, "[V,H]")
+    expect_shape("lm_head_weight", lm_head_weight, (lm_head_weight.shape[0], h), "[V,H]")
+    expect_shape("target_ids", target_ids, (b, s), "[B,S]")
+    if target_ids.dtype.is_floating_point or target_ids.dtype == torch.bool:
+        raise ValueError(f"target_ids: expected integer ids [B,S], got dtype {target_ids.dtype}")
+    if bias is not None:
+        expect_shape("bias", bias, (lm_head_weight.shape[0],), "[V]")
+
+
+def linear_logp(hidden, lm_head_weight, target_ids, bias=None) -> torch.Tensor:
+    """fp32 log-probabilities [B,S] of `target_ids` under hidden [B,S,H] @ lm_head_weight[V,H]^T (+ bias).
+
+    Ids are not range-checked on the device path (that would synchronize); an id outside [0, V)
+    gives NaN for that token.
+    """
+    _validate(hidden, lm_head_weight, target_ids, bias)
+    return _LinearLogpFunction.apply(hidden, lm_head_weight, target_ids, bias)
+
+
+class TritonLinearLogpOp:
+    """Triton candidate for NativeLinearLogpOp: op(hidden=, lm_head_weight=, target_ids=, bias=None)."""
+
+    input_names = NativeLinearLogpOp.input_names
+
+    def __call__(self, *, hidden, lm_head_weight, target_ids, bias=None) -> torch.Tensor:
+        return linear_logp(hidden, lm_head_weight, target_ids, bias)

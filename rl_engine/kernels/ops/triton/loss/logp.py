@@ -1,0 +1,156 @@
+"""Selected-token log-probability in Triton: logp[b, s] = logits[b, s, t] - logsumexp(logits[b, s, :]).
+
+Forward: one program per row streams the vocabulary once in chunks of BLOCK_V. Each lane keeps its
+own running max and sum of exponentials in fp32 (one `exp` per element and no cross-lane reduction
+inside the loop); the lanes are folded once at the end. Only the per-row logsumexp (fp32) is saved.
+Backward: grad_logits[v] = g * (1[v == t] - exp(logit[v] - lse)), written in one pass in the
+logits' dtype.
+
+Batch invariance and determinism: a row is reduced by exactly one program with a loop and a final
+fold that depend only on (dtype, V) - never on the number of rows - and there are no atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rl_engine.kernels.ops.pytorch.base import expect_rank, expect_shape
+from rl_engine.kernels.ops.pytorch.loss.logp import NativeLogpOp
+from rl_engine.kernels.ops.triton.runtime import cast_rne, interpreting
+
+
+@triton.jit
+def _lane_update(m, s, x):
+    # Lane-wise online logsumexp with one exp per element: if x raises the lane's max, rescale the
+    # old sum by exp(m - x) and add 1; otherwise add exp(x - m). Both are exp(-|x - m|).
+    # x = -inf (masked tail, or a masked-out vocabulary entry) adds 0, even on a lane still at -inf.
+    e = tl.where(x == float("-inf"), 0.0, tl.exp(-tl.abs(x - m)))
+    grows = x > m
+    s = tl.where(grows, s * e + 1.0, s + e)
+    m = tl.maximum(m, x)
+    return m, s
+
+
+@triton.jit
+def _logp_forward_kernel(
+    logits_ptr, target_ptr, logp_ptr, lse_ptr,
+    row_stride, V,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * row_stride
+    offs = tl.arange(0, BLOCK_V)
+    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_V], tl.float32)
+    full_end = (V // BLOCK_V) * BLOCK_V
+    for start in range(0, full_end, BLOCK_V):
+        x = tl.load(row_ptr + start + offs).to(tl.float32)
+        m, s = _lane_update(m, s, x)
+    if full_end < V:
+        mask = full_end + offs < V
+        x = tl.load(row_ptr + full_end + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        m, s = _lane_update(m, s, x)
+    row_max = tl.max(m, axis=0)
+    total = tl.sum(tl.where(s > 0, s * tl.exp(m - row_max), 0.0), axis=0)
+    lse = row_max + tl.log(total)
+    # Ids are not range-checked on the host (that would synchronize); an id outside [0, V) gives NaN.
+    target = tl.load(target_ptr + row).to(tl.int64)
+    valid = (target >= 0) & (target < V)
+    picked = tl.load(row_ptr + target, mask=valid, other=float("nan")).to(tl.float32)
+    tl.store(logp_ptr + row, picked - lse)
+    tl.store(lse_ptr + row, lse)
+
+
+@triton.jit
+def _logp_backward_kernel(
+    logits_ptr, target_ptr, lse_ptr, grad_out_ptr, grad_logits_ptr,
+    row_stride, grad_row_stride, V,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * row_stride
+    grad_row_ptr = grad_logits_ptr + row * grad_row_stride
+    lse = tl.load(lse_ptr + row)
+    g = tl.load(grad_out_ptr + row)
+    target = tl.load(target_ptr + row).to(tl.int64)
+    offs = tl.arange(0, BLOCK_V)
+    for start in range(0, V, BLOCK_V):
+        cols = start + offs
+        mask = cols < V
+        x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        grad = g * (tl.where(cols == target, 1.0, 0.0) - tl.exp(x - lse))
+        tl.store(grad_row_ptr + cols, cast_rne(grad, grad_logits_ptr.dtype.element_ty), mask=mask)
+
+
+def _config(dtype: torch.dtype, vocab: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps), fixed per (dtype, V). Never depends on the number of rows."""
+    if interpreting():
+        # Small chunks so that CPU tests at V ~ 100 exercise the multi-chunk and tail paths.
+        return min(32, triton.next_power_of_2(vocab)), 1
+    cap = 4096 if dtype.itemsize <= 2 else 2048
+    return min(cap, triton.next_power_of_2(vocab)), 8
+
+
+def _validate(logits: torch.Tensor, target_ids: torch.Tensor) -> None:
+    expect_rank("logits", logits, 3, "[B,S,V]")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits: expected a floating dtype [B,S,V], got {logits.dtype}")
+    expect_shape("target_ids", target_ids, tuple(logits.shape[:2]), "[B,S]")
+    if target_ids.dtype.is_floating_point or target_ids.dtype == torch.bool:
+        raise ValueError(f"target_ids: expected integer ids [B,S], got dtype {target_ids.dtype}")
+
+
+def _rows(logits: torch.Tensor) -> torch.Tensor:
+    rows = logits.reshape(-1, logits.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+class _LogpFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+        batch_shape, vocab = logits.shape[:-1], logits.shape[-1]
+        rows = _rows(logits)
+        targets = target_ids.reshape(-1).contiguous()
+        n = rows.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        block_v, num_warps = _config(logits.dtype, vocab)
+        if n:
+            _logp_forward_kernel[(n,)](
+                rows, targets, logp, lse, rows.stride(0), vocab, BLOCK_V=block_v, num_warps=num_warps
+            )
+        ctx.save_for_backward(rows, targets, lse)
+        ctx.logits_shape = logits.shape
+        return logp.reshape(batch_shape)
+
+    @staticmethod
+    def backward(ctx, grad_logp: torch.Tensor):
+        rows, targets, lse = ctx.saved_tensors
+        n, vocab = rows.shape
+        grad_out = grad_logp.reshape(-1).to(torch.float32).contiguous()
+        grad_rows = torch.empty_like(rows)
+        block_v, num_warps = _config(rows.dtype, vocab)
+        if n:
+            _logp_backward_kernel[(n,)](
+                rows, targets, lse, grad_out, grad_rows,
+                rows.stride(0), grad_rows.stride(0), vocab,
+                BLOCK_V=block_v, num_warps=num_warps,
+            )
+        return grad_rows.reshape(ctx.logits_shape), None
+
+
+def logp(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+    """fp32 log-probabilities [B,S] of `target_ids` [B,S] under `logits` [B,S,V] (any float dtype)."""
+    _validate(logits, target_ids)
+    return _LogpFunction.apply(logits, target_ids)
+
+
+class TritonLogpOp:
+    """Triton candidate for NativeLogpOp: called as op(logits=..., target_ids=...) -> fp32 [B,S]."""
+
+    input_names = NativeLogpOp.input_names
+
+    def __call__(self, *, logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+        return logp(logits, target_ids)

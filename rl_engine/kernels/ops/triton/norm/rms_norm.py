@@ -1,0 +1,142 @@
+"""RMSNorm in Triton: y = x · rsqrt(mean(x²) + eps) · weight (eps inside the root, as Qwen3).
+
+Forward: one program per row; the row is loaded once, reduced in fp32, and y is cast once to x's
+dtype. The per-row rstd (fp32) is saved for the backward.
+Backward: dx = rstd · (g - x̂ · mean(g · x̂)) with g = dy · weight and x̂ = x · rstd, per row.
+dweight = Σ_rows dy · x̂ with no atomics: program p owns the ROWS_PER_PROGRAM consecutive rows
+[p·R, (p+1)·R), accumulates them in row order into fp32 registers and writes the partial sum to
+row p of a [num_chunks, H] fp32 buffer; the chunks are then summed by `torch.sum(dim=0)` (a fixed
+reduction for a fixed shape, hence deterministic) and cast once to weight's dtype.
+
+Batch invariance: a row's y, rstd and dx are computed by the same code whatever the number of rows
+or the program that owns it; the launch configuration depends only on (H, dtype). R is a constant,
+so the dweight summation order depends only on the number of rows, never on the grid.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rl_engine.kernels.ops.pytorch.norm.rms_norm import NativeRmsNormOp
+from rl_engine.kernels.ops.triton.runtime import cast_rne
+
+# Rows per backward program; a constant so that dweight's order never depends on the launch grid.
+ROWS_PER_PROGRAM = 32
+
+
+@triton.jit
+def _rms_norm_forward_kernel(
+    x_ptr, weight_ptr, y_ptr, rstd_ptr,
+    H, eps,
+    BLOCK_H: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+    y = x * rstd * w
+    tl.store(y_ptr + row * H + cols, cast_rne(y, y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _rms_norm_backward_kernel(
+    dy_ptr, x_ptr, weight_ptr, rstd_ptr, dx_ptr, dweight_partial_ptr,
+    n_rows, H,
+    ROWS_PER_PROGRAM: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    chunk = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dweight = tl.zeros([BLOCK_H], dtype=tl.float32)
+    first = chunk * ROWS_PER_PROGRAM
+    last = tl.minimum(first + ROWS_PER_PROGRAM, n_rows)
+    for row in range(first, last):
+        dy = tl.load(dy_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        x_hat = x * rstd
+        g = dy * w
+        mean_g_xhat = tl.sum(g * x_hat, axis=0) / H
+        dx = (g - x_hat * mean_g_xhat) * rstd
+        tl.store(dx_ptr + row * H + cols, cast_rne(dx, dx_ptr.dtype.element_ty), mask=mask)
+        dweight += dy * x_hat
+    tl.store(dweight_partial_ptr + chunk * H + cols, dweight, mask=mask)
+
+
+def launch_config(hidden: int) -> tuple[int, int]:
+    """(BLOCK_H, num_warps) for a row of `hidden` elements: fixed per H, never per number of rows."""
+    block = triton.next_power_of_2(hidden)
+    num_warps = 16 if block >= 16384 else 8 if block >= 2048 else 4 if block >= 512 else 1
+    return block, num_warps
+
+
+def rms_norm_forward(x2d: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int | None = None):
+    """(y [N,H] in x's dtype, rstd [N] fp32) for contiguous rows x2d [N,H]."""
+    n, hidden = x2d.shape
+    y = torch.empty_like(x2d)
+    rstd = torch.empty(n, dtype=torch.float32, device=x2d.device)
+    block, warps = launch_config(hidden)
+    if n:
+        _rms_norm_forward_kernel[(n,)](x2d, weight, y, rstd, hidden, eps, BLOCK_H=block,
+                                       num_warps=num_warps or warps)
+    return y, rstd
+
+
+def rms_norm_backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                      num_warps: int | None = None):
+    """(dx [N,H] in x's dtype, dweight [H] in weight's dtype); dweight summed in a fixed order."""
+    n, hidden = x2d.shape
+    dx = torch.empty_like(x2d)
+    chunks = triton.cdiv(n, ROWS_PER_PROGRAM)
+    partial = torch.empty(chunks, hidden, dtype=torch.float32, device=x2d.device)
+    block, warps = launch_config(hidden)
+    if n:
+        _rms_norm_backward_kernel[(chunks,)](
+            dy2d, x2d, weight, rstd, dx, partial, n, hidden,
+            ROWS_PER_PROGRAM=ROWS_PER_PROGRAM, BLOCK_H=block, num_warps=num_warps or warps,
+        )
+    dweight = partial.sum(dim=0) if n else torch.zeros(hidden, dtype=torch.float32, device=x2d.device)
+    return dx, dweight.to(weight.dtype)
+
+
+class _RmsNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x2d = x.reshape(-1, x.shape[-1]).contiguous()
+        weight = weight.contiguous()
+        y, rstd = rms_norm_forward(x2d, weight, eps)
+        ctx.save_for_backward(x2d, weight, rstd)
+        return y.reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x2d, weight, rstd = ctx.saved_tensors
+        dy2d = dy.reshape(x2d.shape).contiguous()
+        dx, dweight = rms_norm_backward(dy2d, x2d, weight, rstd)
+        return dx.reshape(dy.shape), dweight, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dim of x [..., H] with weight [H]; returns x's dtype."""
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight: expected shape [H] = ({x.shape[-1]},), got {tuple(weight.shape)}")
+    return _RmsNormFunction.apply(x, weight, eps)
+
+
+class TritonRmsNormOp:
+    """Triton candidate for NativeRmsNormOp: op(x=[B,S,H], weight=[H]) -> [B,S,H] in x's dtype."""
+
+    input_names = NativeRmsNormOp.input_names
+
+    def __init__(self, eps: float = 1e-6):
+        self.eps = eps
+
+    def __call__(self, *, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        NativeRmsNormOp(self.eps).validate(x=x, weight=weight)
+        return rms_norm(x, weight, self.eps)

@@ -1,0 +1,129 @@
+"""Rotary position embedding in Triton, Qwen3 / Hugging Face rotate-half convention.
+
+With x = [x1 | x2] split at D/2, angle[j] = float(position) · inv_freq[j] (fp32), c = cos(angle),
+s = sin(angle):  out1 = x1·c - x2·s,  out2 = x2·c + x1·s  (= x·cos + rotate_half(x)·sin).
+Backward is the transpose rotation (the same kernel with s negated):
+dx1 = g1·c + g2·s,  dx2 = g2·c - g1·s.
+
+Matching the gold bit for bit where the hardware allows:
+- inv_freq is computed on the host by the gold's own expression, on x's device, and handed to the
+  kernel as an fp32 table, so the kernel multiplies exactly the gold's fp32 factors;
+- on the GPU cos and sin are libdevice's correctly range-reduced `cosf`/`sinf` (what torch's CUDA
+  `cos`/`sin` call), not the approximate hardware instructions that lose accuracy on large angles;
+  under the CPU interpreter they are numpy's (torch CPU uses its own vectorised routines, so the
+  two can differ by an ulp there);
+- the kernel launches with `enable_fp_fusion=False`, so x1·c - x2·s is two rounded products and a
+  rounded difference, as in the gold's separate elementwise kernels (no FMA).
+All math in fp32, one cast to x's dtype. One program per token (all heads of that token): a token's
+bits never depend on the batch or the grid.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from rl_engine.kernels.ops.pytorch.position.rope import NativeRopeOp
+from rl_engine.kernels.ops.triton.runtime import cast_rne, interpreting
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr, positions_ptr, inv_freq_ptr, out_ptr,
+    n_heads, half,
+    TRANSPOSE: tl.constexpr, LIBDEVICE_TRIG: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    freq = tl.arange(0, BLOCK_HALF)
+    freq_mask = freq < half
+    inv_freq = tl.load(inv_freq_ptr + freq, mask=freq_mask, other=0.0)
+    angle = tl.load(positions_ptr + token).to(tl.float32) * inv_freq
+    if LIBDEVICE_TRIG:
+        cos = libdevice.cos(angle)
+        sin = libdevice.sin(angle)
+    else:
+        cos = tl.cos(angle)
+        sin = tl.sin(angle)
+    if TRANSPOSE:
+        sin = -sin
+    heads = tl.arange(0, BLOCK_HEADS)
+    offs = token * n_heads * 2 * half + heads[:, None] * 2 * half + freq[None, :]
+    mask = (heads[:, None] < n_heads) & freq_mask[None, :]
+    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + offs + half, mask=mask, other=0.0).to(tl.float32)
+    out1 = x1 * cos[None, :] - x2 * sin[None, :]
+    out2 = x2 * cos[None, :] + x1 * sin[None, :]
+    tl.store(out_ptr + offs, cast_rne(out1, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs + half, cast_rne(out2, out_ptr.dtype.element_ty), mask=mask)
+
+
+def rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
+    """fp32 inv_freq [D/2], by the gold's expression (rl_engine/kernels/ops/pytorch/position/rope.py)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    return 1.0 / (theta ** exponents)
+
+
+def launch_config(n_heads: int, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_HEADS, BLOCK_HALF, num_warps): fixed per (heads, D), never per number of tokens."""
+    block_heads, block_half = triton.next_power_of_2(n_heads), triton.next_power_of_2(head_dim // 2)
+    tile = block_heads * block_half
+    return block_heads, block_half, 8 if tile >= 2048 else 4 if tile >= 512 else 1
+
+
+def rope_apply(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *, transpose: bool = False,
+               num_warps: int | None = None) -> torch.Tensor:
+    """Rotate contiguous x [..., Hh, D] by positions [...] (the transpose rotation when `transpose`)."""
+    n_heads, head_dim = x.shape[-2], x.shape[-1]
+    out = torch.empty_like(x)
+    n_tokens = positions.numel()
+    block_heads, block_half, warps = launch_config(n_heads, head_dim)
+    if n_tokens:
+        _rope_kernel[(n_tokens,)](
+            x, positions, inv_freq, out, n_heads, head_dim // 2,
+            TRANSPOSE=transpose, LIBDEVICE_TRIG=not interpreting(),
+            BLOCK_HEADS=block_heads, BLOCK_HALF=block_half,
+            num_warps=num_warps or warps, enable_fp_fusion=False,
+        )
+    return out
+
+
+class _RopeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+        positions = positions.contiguous()
+        inv_freq = rope_inv_freq(x.shape[-1], theta, x.device)
+        ctx.save_for_backward(positions, inv_freq)
+        return rope_apply(x.contiguous(), positions, inv_freq)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        positions, inv_freq = ctx.saved_tensors
+        return rope_apply(grad_out.contiguous(), positions, inv_freq, transpose=True), None, None
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 1e6) -> torch.Tensor:
+    """Rotate x [B,S,Hh,D] by integer positions [B,S]; returns x's dtype."""
+    if x.dim() < 2 or x.shape[-1] % 2 or tuple(positions.shape) != tuple(x.shape[:-2]):
+        raise ValueError(
+            f"x, positions: expected x [..., Hh, D] with even D and positions of shape x.shape[:-2]; "
+            f"got x {tuple(x.shape)}, positions {tuple(positions.shape)}"
+        )
+    if positions.is_floating_point():
+        raise ValueError(f"positions: expected integer positions, got dtype {positions.dtype}")
+    return _RopeFunction.apply(x, positions, theta)
+
+
+class TritonRopeOp:
+    """Triton candidate for NativeRopeOp: op(x=[B,S,Hh,D], positions=[B,S] int) -> x's shape and dtype."""
+
+    input_names = NativeRopeOp.input_names
+
+    def __init__(self, theta: float = 1e6):
+        self.theta = theta
+
+    def __call__(self, *, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        NativeRopeOp(self.theta).validate(x=x, positions=positions)
+        return rope(x, positions, self.theta)

@@ -1,0 +1,82 @@
+"""Run a function on N processes joined in a torch.distributed group (gloo on CPUs, NCCL on GPUs).
+
+`spawn_group(fn, world_size, backend=..., device=...)` starts `world_size` processes with
+torch.multiprocessing (spawn), joins them through a file:// store in a fresh temporary directory
+(no TCP port to race for), calls `fn(rank, world_size, device, *args)` on each, and returns each
+rank's result (a dict of tensors, moved to the CPU) in rank order. A failure on any rank raises here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+BACKENDS = {"gloo": "cpu", "nccl": "cuda"}
+# NVLink multicast (NVLS) and symmetric-memory multicast are off: they are not lent reliably and
+# would change NCCL's algorithm choice between machines. We never use all_reduce anyway.
+COMMUNICATION_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+def check_backend(backend: str, device: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {sorted(BACKENDS)}, got {backend!r}")
+    if device != BACKENDS[backend]:
+        raise ValueError(f"device: backend {backend} runs on {BACKENDS[backend]}, got device {device!r}")
+
+
+def _to_cpu(result):
+    if isinstance(result, torch.Tensor):
+        return result.detach().cpu()
+    if isinstance(result, dict):
+        return {k: _to_cpu(v) for k, v in result.items()}
+    if isinstance(result, (list, tuple)):
+        return type(result)(_to_cpu(v) for v in result)
+    return result
+
+
+def _worker(rank, world_size, backend, device, store_path, out_dir, fn, args, num_threads, timeout_s):
+    os.environ.update(COMMUNICATION_ENV)
+    # One thread per rank: the ranks share the CPU, and every run (any TP) then uses the same CPU
+    # kernels' work split, so a shard's bits cannot depend on how many processes are running.
+    torch.set_num_threads(num_threads)
+    options = {}
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        options["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **options,
+    )
+    try:
+        result = fn(rank, world_size, device, *args)
+        torch.save(_to_cpu(result), os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_group(
+    fn, world_size: int, *, backend: str = "gloo", device: str = "cpu", args: tuple = (),
+    num_threads: int = 1, timeout_s: int = 300,
+) -> list:
+    """Results of `fn(rank, world_size, device, *args)` on each of `world_size` ranks, in rank order."""
+    check_backend(backend, device)
+    if device == "cuda" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"world_size: {world_size} ranks need {world_size} GPUs, found {torch.cuda.device_count()}")
+    with tempfile.TemporaryDirectory(prefix="rl_engine_tp_") as tmp:
+        mp.spawn(
+            _worker,
+            args=(world_size, backend, device, os.path.join(tmp, "store"), tmp, fn, args, num_threads, timeout_s),
+            nprocs=world_size,
+            join=True,
+        )
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -1,0 +1,46 @@
+"""Helpers for users' own test suites."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rl_engine.kernels.gtest.op_checks import CandidateSpec, run_operator_suite
+from rl_engine.kernels.gtest.operator_inputs import OperatorDims
+from rl_engine.kernels.gtest.operator_specs import make_operator_case
+from rl_engine.kernels.gtest.tolerance import load_contract
+
+
+def assert_operator_matches(
+    op: str,
+    candidate_fn,
+    *,
+    dtype,
+    device,
+    check_grad: bool = True,
+    check_invariance: bool = True,
+    arch_key: str | None = None,
+    contract=None,
+    seed: int = 0,
+    input_mode: str = "random",
+    grad_mode: str = "random",
+    **dims,
+):
+    """Check `candidate_fn(**inputs)` against the gold of `op`; raise AssertionError with the report text.
+
+    `dims` are OperatorDims fields (batch, seq, vocab, normalized_dim, ...); `contract` is a path or a
+    contract dict (default: the packaged contract). Returns the report when the candidate passes.
+    """
+    unknown = set(dims) - {f.name for f in dataclasses.fields(OperatorDims)}
+    if unknown:
+        raise ValueError(f"dims: unknown {sorted(unknown)}; expected OperatorDims fields")
+    if contract is None or not isinstance(contract, dict):
+        contract = load_contract(contract)
+    case = make_operator_case(op, dtype=dtype, device=device, dims=OperatorDims(**dims), input_mode=input_mode,
+                              seed=seed)
+    candidate = CandidateSpec(name=getattr(candidate_fn, "__name__", type(candidate_fn).__name__),
+                              fn=candidate_fn, backend="user", arch_key=arch_key)
+    report = run_operator_suite(op, candidates=[candidate], cases=[case], contract=contract, check_grad=check_grad,
+                                grad_mode=grad_mode, check_invariance=check_invariance, seed=seed)
+    if not report.passed:
+        raise AssertionError(report.to_text())
+    return report

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One batched H200 session: GPU tests, harness reports at Qwen3-8B shapes, benchmarks.
+# Usage (on the device machine, repo root): bash scripts/h200_session.sh STAGE...
+# Stages: env gpu-tests pytest:FILE[,FILE] check-ops bench-<name> (benchmarks/<name>.py) mhc tp invariance all.
+# Everything lands in $OUT/results.tgz (the device tool returns few, shallow files) plus a summary.
+set -u
+OUT=${OUT:-/tmp/h200_out}
+R=/tmp/h200_results
+rm -rf "$R"; mkdir -p "$R/evidence" "$R/bench" "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+SUMMARY="$OUT/summary.txt"; : > "$SUMMARY"
+
+stage() {  # stage NAME TIMEOUT_S CMD...: run, log, record rc; never stop the session
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$R/$name.log" 2>&1
+  local rc=$?
+  printf '%-34s rc=%-3s %4ss\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$SUMMARY"
+  tail -n 4 "$R/$name.log" | sed 's/^/    /' >> "$SUMMARY"
+}
+
+OPS="logp linear_logp rms_norm silu swiglu rope embedding matmul lm_head attention kv_cache_attention"
+run_stage() {
+  case "$1" in
+    env)
+      stage env 60 bash -c 'nvidia-smi; python3 -c "import torch, triton, numpy; print(torch.__version__, triton.__version__, numpy.__version__, torch.cuda.get_device_name())"; python3 -c "import liger_kernel; print(\"liger ok\")"' ;;
+    gpu-tests)
+      stage gpu-tests 480 python3 -m pytest -m gpu -q --timeout 300 -p no:cacheprovider tests ;;
+    pytest:*)  # pytest:FILE[,FILE...]: the gpu tests of those files only
+      local files=${1#pytest:}
+      stage "pytest-$(basename "${files%%,*}" .py)" 400 python3 -m pytest -m gpu -q --timeout 300 -p no:cacheprovider ${files//,/ } ;;
+    check-ops)
+      for op in $OPS; do for dt in bf16 fp32; do
+        stage "check-$op-$dt" 240 python3 scripts/check_operator.py --op "$op" --candidate triton --device cuda \
+          --dtype "$dt" --arch-key sm90 --qwen3-8b --check-grad --check-invariance --json \
+          --json-out "$R/evidence/check_op_${op}_${dt}.json"
+      done; done ;;
+    bench-*)
+      stage "$1" 300 python3 "benchmarks/${1#bench-}.py" --out "$R/bench" ;;
+    mhc)
+      stage mhc-reference-cuda 300 python3 scripts/check_p1.py --provider rl_engine.mhc.provider:ReferenceProvider \
+        --device cuda --json "$R/evidence/mhc_reference_cuda.json" ;;
+    tp)
+      stage tp-nccl-1 300 python3 scripts/check_tp_invariance.py --backend nccl --device cuda --world-sizes 1 \
+        --json "$R/evidence/tp_nccl_1gpu.json" ;;
+    invariance)
+      for p in torch_bf16 triton_bf16; do
+        stage "invariance-$p" 400 python3 scripts/check_forward_invariance.py --profile "$p" --model qwen3-8b \
+          --device cuda --json "$R/evidence/invariance_qwen3-8b_$p.json"
+      done ;;
+    *) echo "unknown stage $1" | tee -a "$SUMMARY" ;;
+  esac
+}
+
+for s in "$@"; do run_stage "$s"; done
+tar czf "$OUT/results.tgz" -C "$R" .
+cat "$SUMMARY"

@@ -1,0 +1,128 @@
+"""The check-op command: report format, JSON, --list, and exit codes 0 / 1 / 2."""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rl_engine import cli
+from rl_engine.kernels.gtest import operator_specs
+from rl_engine.kernels.gtest.operator_specs import OP_SPECS
+from rl_engine.kernels.gtest.tolerance import load_contract
+
+ROOT = Path(__file__).resolve().parents[3]
+FIRST_LINE = re.compile(r"^suite=(\w+) passed=(True|False) pass_rate=(\d\.\d{4})$")
+SMALL = ["--device", "cpu", "--batch", "2", "--seq", "2", "--vocab", "17"]
+
+
+def check_op(capsys, *args):
+    code = cli.main(["check-op", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_seeds_smoke_command_passes(capsys):
+    code, out, err = check_op(capsys, "--op", "logp", "--candidate", "pytorch", "--device", "cpu", "--dtype", "fp32",
+                              "--batch", "1", "--seq", "2", "--vocab", "17")
+    assert code == 0 and not err
+    lines = out.splitlines()
+    assert FIRST_LINE.match(lines[0]).groups() == ("logp", "True", "1.0000")
+    assert lines[1] == "candidate=pytorch-logp backend=pytorch passed=True pass_rate=1.0000"
+    assert lines[2].startswith("  case=logp-fp32-1x2x17 output=0 role=output judgment=forward_accuracy shape=(1, 2)")
+
+
+@pytest.mark.parametrize("op", list(OP_SPECS))
+def test_grad_invariance_and_json_work_for_every_op(capsys, op):
+    code, out, _ = check_op(capsys, "--op", op, "--dtype", "bf16", "--check-grad", "--check-invariance", "--json",
+                            *SMALL)
+    report = json.loads(out)
+    assert report["suite"] == op and report["contract_fingerprint"].startswith("sha256:")
+    assert {"seed", "torch", "triton", "device", "candidates"} <= set(report)
+    roles = {(o["judgment"], o["role"]) for o in report["candidates"][0]["outputs"]}
+    assert ("forward_accuracy", "output") in roles and ("forward_invariance", "output") in roles
+    assert any(j == "gradient_accuracy" for j, _ in roles)
+    assert code == (0 if report["passed"] else 1)
+
+
+def test_a_failing_candidate_exits_1(capsys, monkeypatch):
+    module = type(sys)("planted_candidates")
+    module.scaled = lambda x: torch.nn.functional.silu(x.float()) * 2
+    monkeypatch.setitem(sys.modules, "planted_candidates", module)
+    paths = {**OP_SPECS["silu"].candidate_paths, "planted": "planted_candidates.scaled"}
+    spec = dataclasses.replace(OP_SPECS["silu"], candidate_paths=paths)
+    monkeypatch.setitem(operator_specs.OP_SPECS, "silu", spec)
+    code, out, _ = check_op(capsys, "--op", "silu", "--candidate", "planted", *SMALL)
+    assert code == 1 and FIRST_LINE.match(out.splitlines()[0]).group(2) == "False"
+
+
+def test_list_names_every_op(capsys):
+    code, out, _ = check_op(capsys, "--list")
+    assert code == 0 and [line.split()[0] for line in out.splitlines()] == list(OP_SPECS)
+
+
+def _bad_contract(tmp_path):
+    contract = load_contract()
+    contract["rows"][0]["mode"] = "roughly"
+    path = tmp_path / "contract.json"
+    path.write_text(json.dumps(contract))
+    return str(path)
+
+
+USAGE_ERRORS = {
+    "unknown op": (["--op", "conv"], "valid ops: logp"),
+    "unknown candidate": (["--op", "logp", "--candidate", "cuda"], "valid candidates: pytorch, triton"),
+    "missing op": ([], "--op is required"),
+    "non-positive size": (["--op", "logp", "--seq", "0"], "--seq: expected a positive integer"),
+    "unsupported dtype": (["--op", "logp", "--dtype", "fp8"], "unsupported dtype 'fp8'"),
+    "bad input mode": (["--op", "logp", "--input-mode", "zeros"], "--input-mode"),
+    "bad grad mode": (["--op", "logp", "--grad-mode", "twos"], "--grad-mode"),
+    "unreadable contract": (["--op", "logp", "--contract", "/nonexistent/contract.json"], "cannot read"),
+    "invalid contract": (["--op", "logp", "--contract", "BAD"], "rows[0].mode"),
+}
+
+
+@pytest.mark.parametrize("name", list(USAGE_ERRORS))
+def test_usage_errors_exit_2_with_one_line(capsys, tmp_path, name):
+    args, expected = USAGE_ERRORS[name]
+    args = [_bad_contract(tmp_path) if a == "BAD" else a for a in args]
+    code, out, err = check_op(capsys, *args, "--device", "cpu")
+    assert code == 2 and not out
+    assert len(err.strip().splitlines()) == 1 and expected in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_asked_for_but_absent_exits_2(capsys):
+    code, _, err = check_op(capsys, "--op", "logp", "--device", "cuda")
+    assert code == 2 and "CUDA was asked for but is not available" in err
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("check_operator_script", ROOT / "scripts" / "check_operator.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_script_wraps_the_same_command(capsys):
+    script = _load_script()
+    assert script.main(["--op", "silu", "--check-grad", *SMALL]) == 0
+    assert FIRST_LINE.match(capsys.readouterr().out.splitlines()[0])
+    assert script.main(["--op", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("check_operator.py: error: unknown op 'nope'") and len(err.splitlines()) == 1
+    _, _, err = check_op(capsys, "--op", "nope")
+    assert err.startswith("rl-engine check-op: error: unknown op 'nope'")
+
+
+def test_the_script_runs_as_a_program_without_a_traceback():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_operator.py"), "--op", "nope"],
+                         capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1 and "Traceback" not in bad.stderr

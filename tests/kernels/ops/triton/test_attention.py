@@ -1,0 +1,153 @@
+"""triton_attention / TritonAttentionOp against the fp32 gold NativeAttentionOp, forward and backward.
+
+Without CUDA these run under the Triton CPU interpreter at head_dim 16 with 16×16 tiles, so S = 37
+covers full blocks and a tail; bf16 operands take the fp32-upcast `tl.dot` path there
+(`dot_fp32`), fp32 operands the IEEE fp32 path. The gpu tests run Qwen3-8B head geometry on the H200
+with bf16 tensor-core dots.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_engine.kernels.ops.pytorch.attention.attention import NativeAttentionOp
+from rl_engine.kernels.ops.triton.attention import TritonAttentionOp, triton_attention
+from rl_engine.kernels.ops.triton.runtime import dot_fp32
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+def dot_path(dtype) -> str:
+    return "fp32-upcast dot (interpreter)" if dot_fp32(dtype) else f"native {dtype} dot"
+
+
+def _qkv(b, s, hq, hkv, d, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, s, h, d, generator=gen).to(dtype).to(DEVICE) for h in (hq, hkv, hkv)]
+
+
+def _grads(fn, tensors, grad_out):
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    out = fn(*leaves)
+    return (out.detach(), *torch.autograd.grad(out, leaves, grad_out))
+
+
+def _close(name, got, ref, dtype):
+    err = (got.float() - ref.float()).abs().max().item()
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    assert err <= TOL[dtype] * max(1.0, ref.abs().max().item()), f"{name}: max error {err} ({dot_path(dtype)})"
+
+
+def test_dot_path_matches_the_machine():
+    # On the CPU the interpreter must take the fp32-upcast path for bf16; on the GPU the native one.
+    assert dot_fp32(torch.bfloat16) == (DEVICE == "cpu")
+    assert not dot_fp32(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["gqa1", "gqa2", "gqa4"])
+def test_forward_and_backward_match_gold(dtype, heads):
+    q, k, v = _qkv(1, 37, *heads, 16, dtype)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    out, dq, dk, dv = _grads(TritonAttentionOp(), (q, k, v), grad_out)
+    ref, rq, rk, rv = _grads(lambda q, k, v: NativeAttentionOp()(q=q, k=k, v=v), (q, k, v), grad_out.float())
+    assert out.dtype == dtype and out.shape == q.shape
+    for name, got, want in (("out", out, ref), ("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
+        _close(name, got, want, dtype)
+
+
+def test_non_causal_and_explicit_scale():
+    q, k, v = _qkv(1, 21, 2, 1, 16, torch.float32)
+    grad_out = torch.randn(q.shape).to(DEVICE)
+    got = _grads(lambda q, k, v: triton_attention(q, k, v, causal=False, scale=0.3), (q, k, v), grad_out)
+    ref = _grads(lambda q, k, v: NativeAttentionOp(causal=False, scale=0.3)(q=q, k=k, v=v), (q, k, v), grad_out)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        _close(name, a, b, torch.float32)
+
+
+def test_wrong_scale_is_caught():
+    # Planted bug: the comparison above must fail when the candidate uses another scale.
+    q, k, v = _qkv(1, 21, 2, 1, 16, torch.float32)
+    out = triton_attention(q, k, v, scale=0.3)
+    with pytest.raises(AssertionError):
+        _close("out", out, NativeAttentionOp()(q=q, k=k, v=v), torch.float32)
+
+
+def test_left_padding_with_seq_starts():
+    dtype = torch.float32
+    q, k, v = _qkv(2, 29, 4, 2, 16, dtype)
+    starts = torch.tensor([0, 11])
+    grad_out = torch.randn(q.shape).to(DEVICE)
+    out, dq, dk, dv = _grads(lambda q, k, v: triton_attention(q, k, v, seq_starts=starts), (q, k, v), grad_out)
+    for b, st in enumerate(starts.tolist()):
+        part = [t[b : b + 1, st:] for t in (q, k, v)]
+        ref, rq, rk, rv = _grads(lambda q, k, v: NativeAttentionOp()(q=q, k=k, v=v), part, grad_out[b : b + 1, st:])
+        for name, got, want in (("out", out, ref), ("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
+            _close(f"{name}[{b}]", got[b : b + 1, st:], want, dtype)
+        # A padding query sees only its own key (the registry's reference): its output is its v, exactly.
+        group = q.shape[2] // k.shape[2]
+        assert torch.equal(out[b, :st], v[b, :st].repeat_interleave(group, dim=1))
+
+
+def test_packed_varlen_matches_gold_per_sequence():
+    dtype = torch.bfloat16
+    lengths = [9, 0, 23, 17]
+    cu = torch.tensor([0, 9, 9, 32, 49], dtype=torch.int32)
+    q, k, v = (t[0] for t in _qkv(1, 49, 4, 2, 16, dtype))
+    grad_out = torch.randn(q.shape).to(dtype).to(DEVICE)
+    out, dq, dk, dv = _grads(lambda q, k, v: triton_attention(q, k, v, cu_seqlens=cu), (q, k, v), grad_out)
+    assert out.shape == q.shape
+    # The [1,T,H,D] spelling of the same batch gives the same bits.
+    assert torch.equal(triton_attention(q[None], k[None], v[None], cu_seqlens=cu)[0], out)
+    flat = [t.reshape(49, *t.shape[-2:]) for t in (q, k, v, grad_out, out, dq, dk, dv)]
+    for i, n in enumerate(lengths):
+        if n == 0:
+            continue
+        a, b = int(cu[i]), int(cu[i + 1])
+        part = [t[a:b][None] for t in flat[:3]]
+        ref, rq, rk, rv = _grads(lambda q, k, v: NativeAttentionOp()(q=q, k=k, v=v), part, flat[3][a:b][None].float())
+        for name, got, want in zip(("out", "dq", "dk", "dv"), flat[4:], (ref, rq, rk, rv)):
+            _close(f"{name}[seq {i}]", got[a:b][None], want, dtype)
+
+
+def test_forward_and_backward_are_deterministic():
+    q, k, v = _qkv(1, 37, 4, 1, 16, torch.bfloat16)
+    grad_out = torch.randn(q.shape).to(torch.bfloat16).to(DEVICE)
+    first = _grads(TritonAttentionOp(), (q, k, v), grad_out)
+    second = _grads(TritonAttentionOp(), (q, k, v), grad_out)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_bad_inputs_name_the_input():
+    q, k, v = _qkv(1, 8, 4, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="k"):
+        triton_attention(q, k[:, :5], v)
+    with pytest.raises(ValueError, match="Hkv"):
+        triton_attention(q, *_qkv(1, 8, 4, 3, 16, torch.float32)[1:])
+    with pytest.raises(ValueError, match="seq_starts"):
+        triton_attention(q, k, v, seq_starts=torch.tensor([9]))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        triton_attention(q, k, v, cu_seqlens=torch.tensor([0, 3, 7], dtype=torch.int32))
+    with pytest.raises(ValueError, match="v"):
+        triton_attention(q, k, v.to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq_len", [1000, 2048])
+def test_gpu_qwen3_8b_geometry_bf16(seq_len):
+    dtype = torch.bfloat16
+    q, k, v = _qkv(2, seq_len, 32, 8, 128, dtype)
+    grad_out = torch.randn(q.shape, device=DEVICE, dtype=dtype)
+    got = _grads(TritonAttentionOp(), (q, k, v), grad_out)
+    ref = _grads(lambda q, k, v: NativeAttentionOp()(q=q, k=k, v=v), (q, k, v), grad_out.float())
+    base = _grads(lambda q, k, v: NativeAttentionOp().baseline(q=q, k=k, v=v), (q, k, v), grad_out)
+    for name, a, r, bl in zip(("out", "dq", "dk", "dv"), got, ref, base):
+        err = (a.float() - r).abs().max().item()
+        base_err = (bl.float() - r).abs().max().item()
+        # FlashAttention's rule: within a few times plain bf16 PyTorch's own error.
+        assert err <= 3 * base_err + 1e-3, f"{name}: error {err} vs bf16 baseline {base_err}"
+    again = _grads(TritonAttentionOp(), (q, k, v), grad_out)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))

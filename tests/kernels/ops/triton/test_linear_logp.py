@@ -1,0 +1,177 @@
+"""TritonLinearLogpOp against the fp32 gold op; batch invariance and determinism, bit for bit.
+
+Without CUDA these run under the Triton CPU interpreter (tests/conftest.py) with 16x16x16 tiles
+and 32-column vocabulary chunks in backward; bf16 `tl.dot` operands take the fp32 upcast path
+(runtime.dot_fp32), fp32 operands the IEEE one. Shapes cross token-tile, vocabulary-tile,
+K and chunk borders (V = 37 / 100 not multiples of 16 or 32, H = 24 not a multiple of 16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_engine.kernels.ops.pytorch.loss.linear_logp import NativeLinearLogpOp
+from rl_engine.kernels.ops.triton.loss.linear_logp import TritonLinearLogpOp
+from rl_engine.kernels.ops.triton.runtime import dot_fp32
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(b, s, v, h, dtype, *, bias=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    inputs = {
+        "hidden": torch.randn(b, s, h, generator=gen).to(dtype).to(DEVICE),
+        "lm_head_weight": (torch.randn(v, h, generator=gen) / h**0.25).to(dtype).to(DEVICE),
+        "target_ids": torch.randint(0, v, (b, s), generator=gen).to(DEVICE),
+        "bias": torch.randn(v, generator=gen).to(dtype).to(DEVICE) if bias else None,
+    }
+    inputs["target_ids"][0, 0] = 0
+    inputs["target_ids"][-1, -1] = v - 1
+    return inputs
+
+
+def _run(op, inputs, grad_out, *, upcast=False):
+    """Output and gradients of the float inputs (hidden, weight, bias), optionally upcast to fp32."""
+    leaves = {
+        k: (v.detach().float() if upcast else v.detach().clone()).requires_grad_()
+        for k, v in inputs.items()
+        if isinstance(v, torch.Tensor) and v.is_floating_point()
+    }
+    out = op(**{**inputs, **leaves})
+    grads = torch.autograd.grad(out, list(leaves.values()), grad_out)
+    return out.detach(), dict(zip(leaves, grads))
+
+
+def _grad_out(b, s, seed=7):
+    return torch.randn(b, s, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+CASES = [(2, 3, 37, 16, False), (3, 7, 100, 32, True), (2, 3, 64, 24, True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,s,v,h,bias", CASES)
+def test_forward_and_backward_match_fp32_reference(dtype, b, s, v, h, bias):
+    inputs = _inputs(b, s, v, h, dtype, bias=bias)
+    grad_out = _grad_out(b, s)
+    out, grads = _run(TritonLinearLogpOp(), inputs, grad_out)
+    ref, ref_grads = _run(NativeLinearLogpOp(), inputs, grad_out, upcast=True)
+    assert out.dtype == torch.float32 and out.shape == (b, s)
+    # Products of bf16 values are exact in fp32, so the forward is fp32-exact for bf16 inputs too.
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    if dtype == torch.float32:
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-5, msg=name)
+        return
+    # bf16: dlogits are rounded to bf16 before the gradient GEMMs, as eager bf16 autograd does.
+    # Judge against that baseline: at most 2x its error (+ one bf16 ulp of the largest gradient).
+    base, base_grads = _run(NativeLinearLogpOp().baseline, inputs, grad_out)
+    for name, grad in grads.items():
+        assert grad.dtype == dtype, name
+        err = (grad.float() - ref_grads[name]).abs().max()
+        base_err = (base_grads[name].float() - ref_grads[name]).abs().max()
+        assert err <= 2 * base_err + ref_grads[name].abs().max() * 2**-7, (name, err, base_err)
+
+
+def test_interpreter_path_is_the_declared_one():
+    # bf16 tl.dot is garbage under the interpreter: these tests must exercise the fp32 upcast path.
+    assert dot_fp32(torch.bfloat16) == (DEVICE == "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariance_bitwise(dtype):
+    b, s = 3, 7  # 21 tokens: two token tiles of 16, so token (2, 6) sits in row 4 of tile 1
+    inputs = _inputs(b, s, 100, 32, dtype, bias=True, seed=1)
+    grad_out = _grad_out(b, s)
+    out, grads = _run(TritonLinearLogpOp(), inputs, grad_out)
+
+    def subset(sl_b, sl_s):
+        sub = dict(inputs, hidden=inputs["hidden"][sl_b, sl_s], target_ids=inputs["target_ids"][sl_b, sl_s])
+        return _run(TritonLinearLogpOp(), sub, grad_out[sl_b, sl_s])
+
+    alone, alone_grads = subset(slice(2, 3), slice(6, 7))  # alone: row 0 of tile 0
+    assert torch.equal(alone, out[2:3, 6:7])
+    assert torch.equal(alone_grads["hidden"], grads["hidden"][2:3, 6:7])
+    pair, pair_grads = subset(slice(1, 3), slice(None))  # a different batch, B = 2
+    assert torch.equal(pair, out[1:3])
+    assert torch.equal(pair_grads["hidden"], grads["hidden"][1:3])
+
+
+def test_deterministic_bitwise_including_weight_and_bias_grads():
+    inputs = _inputs(3, 7, 100, 32, torch.bfloat16, bias=True, seed=2)
+    grad_out = _grad_out(3, 7)
+    first_out, first = _run(TritonLinearLogpOp(), inputs, grad_out)
+    second_out, second = _run(TritonLinearLogpOp(), inputs, grad_out)
+    assert torch.equal(first_out, second_out)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+def test_frozen_weight_gives_only_the_hidden_gradient():
+    inputs = _inputs(2, 3, 37, 16, torch.float32)
+    hidden = inputs["hidden"].clone().requires_grad_()
+    TritonLinearLogpOp()(**dict(inputs, hidden=hidden)).sum().backward()
+    ref_hidden = inputs["hidden"].clone().requires_grad_()
+    NativeLinearLogpOp()(**dict(inputs, hidden=ref_hidden)).sum().backward()
+    assert inputs["lm_head_weight"].grad is None
+    torch.testing.assert_close(hidden.grad, ref_hidden.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_raise_value_error_naming_the_input():
+    inputs = _inputs(2, 3, 37, 16, torch.float32)
+    with pytest.raises(ValueError, match="hidden"):
+        TritonLinearLogpOp()(**dict(inputs, hidden=inputs["hidden"][0]))
+    with pytest.raises(ValueError, match="lm_head_weight"):
+        TritonLinearLogpOp()(**dict(inputs, lm_head_weight=inputs["lm_head_weight"][:, :8]))
+    with pytest.raises(ValueError, match="target_ids"):
+        TritonLinearLogpOp()(**dict(inputs, target_ids=inputs["target_ids"][:, :1]))
+    with pytest.raises(ValueError, match="bias"):
+        TritonLinearLogpOp()(**dict(inputs, bias=torch.zeros(36, device=DEVICE)))
+
+
+# ---- H200 (skipped without CUDA) ------------------------------------------------------------
+
+QWEN3_8B = dict(h=4096, v=151936)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_qwen3_shapes_accuracy_and_invariance(dtype):
+    b, s = 2, 1024
+    inputs = _inputs(b, s, QWEN3_8B["v"], QWEN3_8B["h"], dtype, seed=3)
+    grad_out = _grad_out(b, s)
+    out, grads = _run(TritonLinearLogpOp(), inputs, grad_out)
+    ref, ref_grads = _run(NativeLinearLogpOp(), inputs, grad_out, upcast=True)
+    err = ((out - ref).abs() / ref.abs().clamp(min=1.0)).max().item()
+    assert err <= 1e-5, err
+    base, base_grads = _run(NativeLinearLogpOp().baseline, inputs, grad_out)
+    for name, grad in grads.items():
+        e = (grad.float() - ref_grads[name]).abs().max()
+        be = (base_grads[name].float() - ref_grads[name]).abs().max()
+        assert e <= 2 * be + ref_grads[name].abs().max() * 1e-3, (name, e.item(), be.item())
+    sub = dict(inputs, hidden=inputs["hidden"][1:2, 300:305], target_ids=inputs["target_ids"][1:2, 300:305])
+    alone, alone_grads = _run(TritonLinearLogpOp(), sub, grad_out[1:2, 300:305])
+    assert torch.equal(alone, out[1:2, 300:305])
+    assert torch.equal(alone_grads["hidden"], grads["hidden"][1:2, 300:305])
+
+
+@pytest.mark.gpu
+def test_gpu_never_materializes_the_logits():
+    n = 4096
+    inputs = _inputs(1, n, QWEN3_8B["v"], QWEN3_8B["h"], torch.bfloat16, seed=4)
+    hidden = inputs["hidden"].requires_grad_()
+    weight = inputs["lm_head_weight"].requires_grad_()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = TritonLinearLogpOp()(hidden=hidden, lm_head_weight=weight, target_ids=inputs["target_ids"])
+    out.sum().backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    bf16_logits = n * QWEN3_8B["v"] * 2
+    # grads (weight 1.2 GB, hidden 32 MB) + fp32 hidden accumulator + one dlogits chunk, no logits.
+    grads = weight.numel() * 2 + hidden.numel() * 2
+    # Expected ~0.1 GB: one bf16 dlogits chunk [N, 4096] + the fp32 hidden accumulator [N, H];
+    # the issue's goal is 2% of eager's 5.9 GB (0.118 GB). The logits alone would be 1.24 GB.
+    assert extra - grads < min(bf16_logits / 10, 0.13e9), (extra, grads)

@@ -1,0 +1,348 @@
+"""Batch-invariant persistent GEMM, matmul and lm_head ops: accuracy, bitwise batch invariance,
+determinism, gradients. Without CUDA these run under the Triton interpreter at small shapes (the
+fp32-upcast `tl.dot` path for bf16/fp16); the `gpu` tests run the compiled kernels at Qwen3-8B
+shapes on the H200.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from rl_engine.kernels.ops.pytorch.linear.lm_head import NativeLmHeadOp
+from rl_engine.kernels.ops.pytorch.linear.matmul import NativeMatmulOp
+from rl_engine.kernels.ops.triton.linear import TritonLmHeadOp, TritonMatmulOp, batch_invariant_mm
+from rl_engine.kernels.ops.triton.linear.matmul import (
+    GPU_CONFIG_OVERRIDES,
+    GPU_CONFIGS,
+    INTERPRETER_CONFIG,
+    MatmulConfig,
+    matmul_config,
+)
+from rl_engine.kernels.ops.triton.runtime import dot_fp32
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Both kernels, whatever the fixed table picks on this machine: pointer loads and TMA descriptors.
+POINTER = dataclasses.replace(INTERPRETER_CONFIG, tma=False)
+TMA = dataclasses.replace(INTERPRETER_CONFIG, tma=True)
+CONFIGS = pytest.mark.parametrize("config", [POINTER, TMA], ids=["pointer", "tma"])
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+
+
+def _randn(*shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype=dtype, device=DEVICE)
+
+
+def assert_close_to_reference(cand, ref, baseline, *, what: str):
+    """Max error within 2x that of plain PyTorch in the same dtype (baseline-relative, bf16/fp16)."""
+    cand, ref, baseline = cand.float(), ref.float(), baseline.float()
+    assert torch.isfinite(cand).all(), f"{what}: non-finite candidate"
+    err = (cand - ref).abs().max().item()
+    bound = 2 * (baseline - ref).abs().max().item() + 1e-5 * (1 + ref.abs().max().item())
+    assert err <= bound, f"{what}: max error {err:.3g} > bound {bound:.3g}"
+
+
+def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Every bit equal (compares the raw bits, so -0.0 vs 0.0 and NaN payloads count)."""
+    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+    bits = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    differ = (a.view(bits) != b.view(bits)).sum().item()
+    assert differ == 0, f"{what}: {differ} of {a.numel()} elements differ"
+
+
+def test_interpreter_path_is_the_one_claimed():
+    """Under the interpreter bf16/fp16 operands are upcast before tl.dot; on the GPU they are not."""
+    assert dot_fp32(torch.bfloat16) == (DEVICE == "cpu")
+    assert dot_fp32(torch.float32) is False
+
+
+# --- accuracy ------------------------------------------------------------------------------------
+
+
+@CONFIGS
+@DTYPES
+@pytest.mark.parametrize("m,k,n", [(1, 48, 40), (7, 48, 40), (33, 40, 24), (64, 48, 40)])
+def test_matmul_matches_reference(config, dtype, m, k, n):
+    a = _randn(m, k, dtype=dtype, seed=1)
+    w = _randn(n, k, dtype=dtype, seed=2)  # b = w.t(): a transposed weight view, as in a linear layer
+    out = batch_invariant_mm(a, w.t(), config=config)
+    assert out.dtype == dtype and out.shape == (m, n)
+    ref = NativeMatmulOp()(a=a[None], b=w.t())[0]
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    else:
+        assert_close_to_reference(out, ref, NativeMatmulOp().baseline(a=a[None], b=w.t())[0], what=str(dtype))
+
+
+@CONFIGS
+@pytest.mark.parametrize("layout", ["row_major", "a_transposed", "strided", "broadcast"])
+def test_matmul_operand_layouts(config, layout):
+    """Transposed and strided operands are read in place and give the reference result."""
+    a = _randn(33, 48, dtype=torch.float32, seed=3)
+    b = _randn(48, 40, dtype=torch.float32, seed=4)
+    if layout == "a_transposed":
+        a = a.t().contiguous().t()
+    elif layout == "strided":
+        a = _randn(33, 96, dtype=torch.float32, seed=3)[:, ::2]
+        b = _randn(48, 80, dtype=torch.float32, seed=4)[:, 1::2]
+    elif layout == "broadcast":  # stride-0 operands, as autograd hands out for out.sum().backward()
+        a = a[:1].expand(33, 48)
+        b = b[:, :1].expand(48, 40)
+    out = batch_invariant_mm(a, b, config=config)
+    torch.testing.assert_close(out, NativeMatmulOp()(a=a[None], b=b)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_matmul_rounds_bf16_to_nearest_even():
+    """The interpreter truncates fp32 -> bf16 casts; the op must still round like the GPU."""
+    a = _randn(16, 48, dtype=torch.bfloat16, seed=5)
+    b = _randn(48, 32, dtype=torch.bfloat16, seed=6)
+    ref = (a.double() @ b.double()).float()
+    # fp32 accumulation of bf16 products is within a few fp32 ulps of exact; rounding once to bf16
+    # must land on the nearest bf16 almost everywhere (all, for these inputs).
+    assert_bitwise(batch_invariant_mm(a, b), ref.to(torch.bfloat16), "bf16 rounding")
+
+
+# --- batch invariance and determinism --------------------------------------------------------------
+
+
+@CONFIGS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_do_not_depend_on_batch_size(config, dtype):
+    a = _randn(64, 48, dtype=dtype, seed=7)
+    w = _randn(40, 48, dtype=dtype, seed=8)
+    full = batch_invariant_mm(a, w.t(), config=config)
+    for start, m in [(0, 1), (0, 7), (0, 33), (20, 7), (63, 1), (30, 33)]:
+        part = batch_invariant_mm(a[start : start + m].clone(), w.t(), config=config)
+        assert_bitwise(part, full[start : start + m], f"rows {start}..{start + m} computed with M={m}")
+
+
+def test_invariance_check_catches_a_batch_dependent_config():
+    """Planted bug: a config that changes BLOCK_K with M changes the reduction order, and the bits."""
+    a = _randn(64, 48, dtype=torch.float32, seed=9)
+    b = _randn(48, 40, dtype=torch.float32, seed=10)
+    full = batch_invariant_mm(a, b, config=POINTER)
+    alone = batch_invariant_mm(a[:7].clone(), b, config=dataclasses.replace(POINTER, block_k=32))
+    with pytest.raises(AssertionError, match="differ"):
+        assert_bitwise(alone, full[:7], "M-dependent BLOCK_K")
+
+
+def test_bitwise_check_catches_one_ulp():
+    x = _randn(8, 8, dtype=torch.bfloat16, seed=11)
+    y = x.clone()
+    y.view(torch.int16)[3, 4] += 1
+    with pytest.raises(AssertionError, match="1 of 64"):
+        assert_bitwise(x, y, "one ulp")
+
+
+@CONFIGS
+def test_matmul_is_deterministic(config):
+    a = _randn(33, 48, dtype=torch.bfloat16, seed=12)
+    b = _randn(48, 40, dtype=torch.bfloat16, seed=13)
+    assert_bitwise(batch_invariant_mm(a, b, config=config), batch_invariant_mm(a, b, config=config), "rerun")
+
+
+# --- the ops and their gradients ------------------------------------------------------------------
+
+
+def _grads(fn, *inputs, grad_out):
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    out = fn(*leaves)
+    out.backward(grad_out.to(out.dtype))
+    return out.detach(), [leaf.grad for leaf in leaves]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_matmul_op_forward_and_gradients(dtype):
+    a = _randn(2, 7, 48, dtype=dtype, seed=14)
+    b = _randn(48, 40, dtype=dtype, seed=15)
+    g = _randn(2, 7, 40, dtype=torch.float32, seed=16)
+    out, (ga, gb) = _grads(lambda a, b: TritonMatmulOp()(a=a, b=b), a, b, grad_out=g)
+    ref, (ra, rb) = _grads(lambda a, b: NativeMatmulOp()(a=a, b=b), a.float(), b.float(), grad_out=g)
+    assert out.shape == (2, 7, 40) and out.dtype == dtype and ga.dtype == dtype and gb.dtype == dtype
+    if dtype == torch.float32:
+        for name, x, y in [("out", out, ref), ("grad a", ga, ra), ("grad b", gb, rb)]:
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5, msg=name)
+    else:
+        base, (ba, bb) = _grads(lambda a, b: NativeMatmulOp().baseline(a=a, b=b), a, b, grad_out=g)
+        assert_close_to_reference(out, ref, base, what="out")
+        assert_close_to_reference(ga, ra, ba, what="grad a")
+        assert_close_to_reference(gb, rb, bb, what="grad b")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_lm_head_op_forward_and_gradients(dtype):
+    hidden = _randn(3, 5, 48, dtype=dtype, seed=17)
+    weight = _randn(72, 48, dtype=dtype, seed=18)
+    g = _randn(3, 5, 72, dtype=torch.float32, seed=19)
+    out, (gh, gw) = _grads(lambda h, w: TritonLmHeadOp()(hidden=h, weight=w), hidden, weight, grad_out=g)
+    ref, (rh, rw) = _grads(
+        lambda h, w: NativeLmHeadOp()(hidden=h, weight=w), hidden.float(), weight.float(), grad_out=g
+    )
+    assert out.shape == (3, 5, 72) and gw.shape == weight.shape and gw.is_contiguous()
+    if dtype == torch.float32:
+        for name, x, y in [("logits", out, ref), ("grad hidden", gh, rh), ("grad weight", gw, rw)]:
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5, msg=name)
+    else:
+        base, (bh, bw) = _grads(lambda h, w: NativeLmHeadOp().baseline(hidden=h, weight=w), hidden, weight, grad_out=g)
+        assert_close_to_reference(out, ref, base, what="logits")
+        assert_close_to_reference(gh, rh, bh, what="grad hidden")
+        assert_close_to_reference(gw, rw, bw, what="grad weight")
+
+
+def test_gradient_check_catches_a_wrong_backward():
+    """Planted bug: a backward that scales grad a by 2; the gradient comparison must say so."""
+    from rl_engine.kernels.ops.triton.linear import matmul as module
+
+    def bad_backward(ctx, grad_c):
+        grad_a, grad_b = module._mm_backward(ctx, grad_c)
+        return grad_a * 2, grad_b
+
+    a, b = _randn(1, 7, 48, dtype=torch.float32, seed=20), _randn(48, 40, dtype=torch.float32, seed=21)
+    g = _randn(1, 7, 40, dtype=torch.float32, seed=22)
+    module.batch_invariant_mm_op.register_autograd(bad_backward, setup_context=module._mm_setup_context)
+    try:
+        _, (ga, _) = _grads(lambda a, b: TritonMatmulOp()(a=a, b=b), a, b, grad_out=g)
+    finally:
+        module.batch_invariant_mm_op.register_autograd(module._mm_backward, setup_context=module._mm_setup_context)
+    _, (ra, _) = _grads(lambda a, b: NativeMatmulOp()(a=a, b=b), a, b, grad_out=g)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(ga, ra, atol=1e-5, rtol=1e-5)
+    _, (ga, _) = _grads(lambda a, b: TritonMatmulOp()(a=a, b=b), a, b, grad_out=g)
+    torch.testing.assert_close(ga, ra, atol=1e-5, rtol=1e-5, msg="the real backward is back")
+
+
+def test_registered_as_torch_custom_ops():
+    """torch.library's own checks (schema, fake tensor, autograd registration), and a compiled trace."""
+    from rl_engine.kernels.ops.triton.linear.lm_head import lm_head_op
+    from rl_engine.kernels.ops.triton.linear.matmul import batch_invariant_mm_op
+
+    CHECKS = ("test_schema", "test_faketensor", "test_autograd_registration")
+    a = _randn(7, 48, dtype=torch.float32, seed=26).requires_grad_(True)
+    b = _randn(48, 40, dtype=torch.float32, seed=27).requires_grad_(True)
+    torch.library.opcheck(batch_invariant_mm_op, (a, b), test_utils=CHECKS)
+    torch.library.opcheck(lm_head_op, (a, b.t()), test_utils=CHECKS)
+    compiled = torch.compile(lambda a, b: TritonMatmulOp()(a=a, b=b), backend="aot_eager", fullgraph=True)
+    assert_bitwise(compiled(a[None], b), TritonMatmulOp()(a=a[None], b=b), "compiled vs eager")
+
+
+def test_lm_head_and_input_gradient_rows_are_batch_invariant():
+    hidden = _randn(1, 33, 48, dtype=torch.bfloat16, seed=23)
+    weight = _randn(40, 48, dtype=torch.bfloat16, seed=24)
+    g = _randn(1, 33, 40, dtype=torch.bfloat16, seed=25)
+    logits, (gh, _) = _grads(lambda h, w: TritonLmHeadOp()(hidden=h, weight=w), hidden, weight, grad_out=g)
+    part, (gh_part, _) = _grads(
+        lambda h, w: TritonLmHeadOp()(hidden=h, weight=w), hidden[:, 9:16], weight, grad_out=g[:, 9:16]
+    )
+    assert_bitwise(part, logits[:, 9:16], "logits rows 9..16 alone")
+    assert_bitwise(gh_part, gh[:, 9:16], "grad hidden rows 9..16 alone")
+
+
+# --- input errors and the config table --------------------------------------------------------------
+
+
+def test_bad_inputs_name_the_input():
+    a = torch.zeros(2, 3, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="b: expected shape"):
+        TritonMatmulOp()(a=a, b=torch.zeros(5, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="a: expected shape"):
+        TritonMatmulOp()(a=a[0], b=torch.zeros(8, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="weight"):
+        TritonLmHeadOp()(hidden=a, weight=torch.zeros(4, 5, device=DEVICE))
+    with pytest.raises(ValueError, match="dtype"):
+        batch_invariant_mm(a[0], torch.zeros(8, 4, dtype=torch.float16, device=DEVICE))
+
+
+def test_empty_reduction_gives_zeros():
+    out = batch_invariant_mm(torch.zeros(3, 0, device=DEVICE), torch.zeros(0, 4, device=DEVICE))
+    assert out.shape == (3, 4) and not out.any()
+
+
+def _smem_bytes(cfg: MatmulConfig, elem: int) -> int:
+    operands = (cfg.block_m + cfg.block_n) * cfg.block_k * elem * cfg.num_stages
+    epilogue = cfg.block_m * cfg.block_n * elem if cfg.tma else 0  # TMA store staging tile
+    return operands + epilogue
+
+
+TABLE = [(name, cfg) for name, cfg in GPU_CONFIGS.items()] + [
+    (f"{name}-N{n}-K{k}", cfg) for (name, n, k), cfg in GPU_CONFIG_OVERRIDES.items()
+]
+
+
+@pytest.mark.parametrize("name,cfg", TABLE, ids=[name for name, _ in TABLE])
+def test_gpu_config_table_is_launchable(name, cfg):
+    """The H200 table: power-of-two tiles that fit in 227 KB of shared memory."""
+    elem = 4 if name.startswith("float32") else 2
+    for size in (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps):
+        assert size & (size - 1) == 0, f"{name}: {size} is not a power of two"
+    assert _smem_bytes(cfg, elem) <= 227 * 1024, f"{name}: {_smem_bytes(cfg, elem)} bytes of shared memory"
+
+
+def test_config_depends_on_n_and_k_only():
+    import inspect
+
+    assert list(inspect.signature(matmul_config).parameters) == ["dtype", "n", "k"]
+
+
+# --- on the H200 -------------------------------------------------------------------------------------
+
+# Qwen3-8B projections (hidden 4096): (N, K) of q/o, k/v, gate/up, down.
+QWEN3_8B_SHAPES = [(4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", QWEN3_8B_SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer"])
+def test_gpu_rows_bitwise_invariant_at_qwen3_shapes(n, k, tma):
+    a = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    config = dataclasses.replace(matmul_config(torch.bfloat16, n, k), tma=tma)
+    full = batch_invariant_mm(a, w.t(), config=config)
+    for start, m in [(0, 1), (0, 7), (0, 64), (1000, 7), (4095, 1)]:
+        part = batch_invariant_mm(a[start : start + m].clone(), w.t(), config=config)
+        assert_bitwise(part, full[start : start + m], f"N={n} K={k} rows {start}+{m}")
+    ref = NativeMatmulOp()(a=a[None, :256], b=w.t())[0]
+    base = NativeMatmulOp().baseline(a=a[None, :256], b=w.t())[0]
+    assert_close_to_reference(full[:256], ref, base, what=f"N={n} K={k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_gpu_other_dtypes(dtype):
+    a = torch.randn(512, 4096, device="cuda", dtype=dtype)
+    w = torch.randn(1024, 4096, device="cuda", dtype=dtype) / 64
+    full = batch_invariant_mm(a, w.t())
+    assert_bitwise(batch_invariant_mm(a[3:4].clone(), w.t()), full[3:4], f"{dtype} row 3 alone")
+    ref = NativeMatmulOp()(a=a[None], b=w.t())[0]
+    if dtype == torch.float32:
+        torch.testing.assert_close(full, ref, atol=1e-4, rtol=1e-4)  # ieee: no TF32
+    else:
+        assert_close_to_reference(full, ref, NativeMatmulOp().baseline(a=a[None], b=w.t())[0], what=str(dtype))
+
+
+@pytest.mark.gpu
+def test_gpu_lm_head_qwen3_vocab():
+    hidden = torch.randn(1, 64, 4096, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(151936, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    logits = TritonLmHeadOp()(hidden=hidden, weight=weight)
+    assert_bitwise(TritonLmHeadOp()(hidden=hidden[:, 5:6], weight=weight), logits[:, 5:6], "token 5 alone")
+    ref = NativeLmHeadOp()(hidden=hidden, weight=weight)
+    assert_close_to_reference(logits, ref, NativeLmHeadOp().baseline(hidden=hidden, weight=weight), what="lm_head")
+
+
+@pytest.mark.gpu
+def test_gpu_gradients_and_determinism():
+    a = torch.randn(2, 300, 1024, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(1024, 768, device="cuda", dtype=torch.bfloat16) / 32
+    g = torch.randn(2, 300, 768, device="cuda")
+    out, (ga, gb) = _grads(lambda a, b: TritonMatmulOp()(a=a, b=b), a, b, grad_out=g)
+    out2, (ga2, gb2) = _grads(lambda a, b: TritonMatmulOp()(a=a, b=b), a, b, grad_out=g)
+    for name, x, y in [("out", out, out2), ("grad a", ga, ga2), ("grad b", gb, gb2)]:
+        assert_bitwise(x, y, f"rerun {name}")
+    ref, (ra, rb) = _grads(lambda a, b: NativeMatmulOp()(a=a, b=b), a.float(), b.float(), grad_out=g)
+    base, (ba, bb) = _grads(lambda a, b: NativeMatmulOp().baseline(a=a, b=b), a, b, grad_out=g)
+    assert_close_to_reference(out, ref, base, what="out")
+    assert_close_to_reference(ga, ra, ba, what="grad a")
+    assert_close_to_reference(gb, rb, bb, what="grad b")

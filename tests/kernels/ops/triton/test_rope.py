@@ -1,0 +1,110 @@
+"""Triton RoPE against the gold: forward, backward, batch invariance, determinism, large angles."""
+
+import pytest
+import torch
+
+from rl_engine.kernels.ops.pytorch.position.rope import NativeRopeOp, rope_cos_sin
+from rl_engine.kernels.ops.triton.position.rope import TritonRopeOp, rope_inv_freq
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# fp32: cos/sin of large angles may differ by an ulp between libraries (numpy under the interpreter
+# vs torch CPU; libdevice vs torch CUDA), so a few fp32 ulps of |x|; bf16: one bf16 rounding.
+TOL = {torch.float32: dict(rtol=1e-5, atol=2e-6), torch.bfloat16: dict(rtol=2**-7, atol=1e-5)}
+
+
+def _inputs(shape, dtype, first_position=0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    b, s = shape[:2]
+    x = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    positions = (first_position + torch.randperm(b * s, generator=gen).reshape(b, s)).to(DEVICE)
+    dy = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    return x, positions, dy
+
+
+def _run(op, x, positions, dy):
+    x = x.clone().requires_grad_()
+    y = op(x=x, positions=positions)
+    y.backward(dy.to(y.dtype))
+    return y.detach(), x.grad
+
+
+def _assert_close(actual, expected, dtype):
+    torch.testing.assert_close(actual.float(), expected.float(), **TOL[dtype])
+
+def _assert_rounds_to_nearest(actual, reference):
+    """bf16 outputs are the fp32 reference rounded to nearest even, but for a few near-ties.
+
+    A truncating cast (what Triton's interpreter does without runtime.cast_rne) misses about half."""
+    misses = int((actual != reference.to(actual.dtype)).sum())
+    assert misses <= max(1, actual.numel() // 100), f"{misses} of {actual.numel()} not rounded to nearest"
+
+
+
+def test_inv_freq_table_is_the_golds():
+    # The kernel's fp32 factors are bit-identical to the ones the gold's cos/sin are built from.
+    positions = torch.ones(1, 1, dtype=torch.int64)
+    cos, sin = rope_cos_sin(positions, 16, 1e6)
+    assert torch.equal(torch.cos(rope_inv_freq(16, 1e6, "cpu")), cos[0, 0, :8])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape, first_position", [((2, 5, 3, 16), 17), ((1, 4, 1, 8), 0), ((2, 3, 4, 6), 40000)]
+)
+def test_forward_and_backward_match_gold(shape, first_position, dtype):
+    x, positions, dy = _inputs(shape, dtype, first_position)
+    y, dx = _run(TritonRopeOp(), x, positions, dy)
+    y_ref, dx_ref = _run(NativeRopeOp(), x.float(), positions, dy.float())
+    assert y.dtype == dx.dtype == dtype
+    _assert_close(y, y_ref, dtype)
+    _assert_close(dx, dx_ref, dtype)
+    if dtype == torch.bfloat16:
+        _assert_rounds_to_nearest(y, y_ref)
+
+
+def test_theta_and_int32_positions():
+    x, positions, dy = _inputs((1, 3, 2, 8), torch.float32, first_position=5)
+    y, _ = _run(TritonRopeOp(theta=1e4), x, positions.to(torch.int32), dy)
+    y_ref, _ = _run(NativeRopeOp(theta=1e4), x, positions, dy)
+    _assert_close(y, y_ref, torch.float32)
+    y_default, _ = _run(TritonRopeOp(), x, positions, dy)
+    assert not torch.allclose(y_default, y_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariance_bitwise(dtype):
+    x, positions, dy = _inputs((3, 6, 3, 16), dtype, first_position=100, seed=1)
+    y, dx = _run(TritonRopeOp(), x, positions, dy)
+    for b, s in [(0, 0), (2, 5), (1, 3)]:
+        y1, dx1 = _run(TritonRopeOp(), x[b:b + 1, s:s + 1], positions[b:b + 1, s:s + 1], dy[b:b + 1, s:s + 1])
+        assert torch.equal(y1[0, 0], y[b, s]) and torch.equal(dx1[0, 0], dx[b, s])
+
+
+def test_deterministic():
+    x, positions, dy = _inputs((2, 5, 3, 16), torch.bfloat16, first_position=3, seed=2)
+    first, second = _run(TritonRopeOp(), x, positions, dy), _run(TritonRopeOp(), x, positions, dy)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_bad_inputs_raise_value_error_naming_the_input():
+    with pytest.raises(ValueError, match="positions"):
+        TritonRopeOp()(x=torch.zeros(1, 2, 1, 8), positions=torch.zeros(1, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="x"):
+        TritonRopeOp()(x=torch.zeros(1, 2, 1, 7), positions=torch.zeros(1, 2, dtype=torch.int64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qwen3_8b_shape_on_gpu(dtype):
+    x, positions, dy = _inputs((2, 2048, 32, 128), dtype, first_position=30000, seed=3)
+    y, dx = _run(TritonRopeOp(), x, positions, dy)
+    y_ref, dx_ref = _run(NativeRopeOp(), x.float(), positions, dy.float())
+    # Recorded for the docs: how far libdevice cos/sin + no-FMA land from torch's CUDA gold.
+    print(f"\nrope {dtype}: max|y - ref| = {(y.float() - y_ref).abs().max().item():.3e}, "
+          f"elements differing from ref.to(dtype): {(y != y_ref.to(dtype)).sum().item()} of {y.numel()}")
+    _assert_close(y, y_ref, dtype)
+    _assert_close(dx, dx_ref, dtype)
+    y1, dx1 = _run(TritonRopeOp(), x[1:2, 7:8], positions[1:2, 7:8], dy[1:2, 7:8])
+    assert torch.equal(y1[0, 0], y[1, 7]) and torch.equal(dx1[0, 0], dx[1, 7])
+    again = _run(TritonRopeOp(), x, positions, dy)
+    assert torch.equal(again[0], y) and torch.equal(again[1], dx)

@@ -1,0 +1,53 @@
+import json
+
+import pytest
+
+from rl_engine.models.qwen3 import CONFIGS
+from rl_engine.models.weights import content_hash, synthetic_weights
+from rl_engine.workload.manifest import MANIFEST_PATH, ManifestError, load_workload
+
+
+def test_committed_manifest_loads_for_both_models():
+    tiny = load_workload(CONFIGS["tiny"])
+    assert [s.length for s in tiny.samples] == [11, 16, 13, 19]
+    assert all(s.prompt_len == 8 for s in tiny.samples)
+    assert tiny.permutation == [2, 0, 3, 1] and tiny.chunk_size == 7
+    assert tiny.canonical.name == "bn_packed" and len(tiny.cells) == 7
+    big = load_workload(CONFIGS["qwen3-8b"])
+    assert max(max(s.token_ids) for s in big.samples) > 257  # drawn from the 8B vocabulary
+
+
+def test_pinned_tiny_weight_hash():
+    tiny = load_workload(CONFIGS["tiny"])
+    assert content_hash(synthetic_weights(CONFIGS["tiny"], tiny.weight_seed)) == tiny.weight_hash
+
+
+def _edited(tmp_path, edit):
+    raw = json.loads(MANIFEST_PATH.read_text())
+    edit(raw)
+    path = tmp_path / "manifest.json"
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def test_fixture_hash_is_checked_on_load(tmp_path):
+    path = _edited(tmp_path, lambda raw: raw["fixtures"].__setitem__("seed", 2027))
+    with pytest.raises(ManifestError, match="fixture_hash"):
+        load_workload(CONFIGS["tiny"], path)
+
+
+def test_config_fingerprint_is_checked(tmp_path):
+    path = _edited(tmp_path, lambda raw: raw["models"]["tiny"].__setitem__("config_fingerprint", "0" * 64))
+    with pytest.raises(ManifestError, match="config_fingerprint"):
+        load_workload(CONFIGS["tiny"], path)
+
+
+def test_canonical_cell_must_be_packed(tmp_path):
+    path = _edited(tmp_path, lambda raw: raw["matrix"].reverse())
+    with pytest.raises(ManifestError, match="canonical"):
+        load_workload(CONFIGS["tiny"], path)
+
+
+def test_unreadable_manifest(tmp_path):
+    with pytest.raises(ManifestError, match="cannot read"):
+        load_workload(CONFIGS["tiny"], tmp_path / "absent.json")
