@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "check-op": ("rl_engine.kernels.gtest.check_op", "gold vs candidate operator check"),
     "check-invariance": ("rl_engine.invariance.check", "config invariance and train/infer parity"),
     "check-p1": ("rl_engine.mhc.acceptance", "mHC provider acceptance against the strict-fp32 oracle"),
+    "check-tp": ("rl_engine.parallel.check", "tensor-parallel invariance across TP = 1, 2, 4"),
     "mhc-golden": ("rl_engine.mhc.fixtures", "regenerate the mHC golden hashes (explicit only)"),
 }
 

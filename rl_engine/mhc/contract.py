@@ -19,7 +19,7 @@ from rl_engine.mhc.numerics import PROFILE
 SCHEMA_VERSION = "mhc-contract-v1"
 FUSION_MODES = ("unfused", "fused_pre_norm")  # unfused is canonical: every boundary observable
 TRAINABILITY = ("full", "mixer_frozen")  # mixer_frozen: no gradients for phi, alpha, bias
-PLACEMENTS = ("replicated",)  # tp/cp placements arrive with tensor-parallel invariance (#9)
+PLACEMENTS = ("replicated", "tp_sharded", "cp_token_sharded")  # the last two: rl_engine/parallel
 RMS_EPS_PLACEMENTS = ("inside", "outside")  # 1/sqrt(s/K + eps) (DeepSeek-V4) or 1/(sqrt(s/K) + eps)
 PRODUCTION_HIDDEN = {"deepseek-v4-flash": 4096, "deepseek-v4-pro": 7168}
 

@@ -15,6 +15,7 @@ failed output reports; the suite goes on.
 
 from __future__ import annotations
 
+import datetime
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -398,7 +399,8 @@ def environment(cases=()) -> dict:
         triton_version = triton.__version__
     except Exception:  # Triton is optional for the harness itself
         triton_version = "unavailable"
-    return {"torch": torch.__version__, "triton": triton_version, "device": _device_name(cases)}
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {"date": date, "torch": torch.__version__, "triton": triton_version, "device": _device_name(cases)}
 
 
 def run_operator_suite(
