@@ -43,11 +43,10 @@ run_stage() {
     bench-*)
       stage "$1" 300 python3 "benchmarks/${1#bench-}.py" --out "$R/bench" ;;
     mhc)
-      stage mhc-reference-cuda 300 python3 scripts/check_p1.py --provider rl_engine.mhc.provider:ReferenceProvider \
-        --device cuda --json "$R/evidence/mhc_reference_cuda.json" ;;
+      stage mhc-cuda-check 300 python3 scripts/mhc_cuda_check.py --out "$R/evidence" ;;
     tp)
       stage tp-nccl-1 300 python3 scripts/check_tp_invariance.py --backend nccl --device cuda --world-sizes 1 \
-        --json "$R/evidence/tp_nccl_1gpu.json" ;;
+        --preset large --json "$R/evidence/tp_invariance_nccl_1gpu.json" ;;
     invariance)
       for p in torch_bf16 triton_bf16; do
         stage "invariance-$p" 400 python3 scripts/check_forward_invariance.py --profile "$p" --model qwen3-8b \

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from pathlib import Path
 
 import torch
 
@@ -48,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="each batch row alone must match the full batch bit for bit")
     parser.add_argument("--contract", default=None, help="tolerance contract JSON (default: the packaged one)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--json-out", default=None, metavar="PATH", help="also write the JSON report to PATH")
     parser.add_argument("--list", action="store_true", help="list the operators and their candidates")
 
 
@@ -122,4 +124,10 @@ def run(args) -> int:
     except ContractError as exc:  # e.g. a custom contract that lacks this op's class
         raise UsageError(str(exc)) from None
     print(report.to_json() if args.json else report.to_text())
+    if args.json_out:
+        try:
+            Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json_out).write_text(report.to_json() + "\n")
+        except OSError as exc:
+            raise UsageError(f"--json-out {args.json_out}: cannot write ({exc.strerror or exc})") from None
     return 0 if report.passed else 1

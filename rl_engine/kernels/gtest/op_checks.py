@@ -177,6 +177,9 @@ def compare_tensor(
     if tuple(cand.shape) != tuple(ref.shape):
         report.message = f"wrong shape: got {tuple(cand.shape)}, expected {tuple(ref.shape)}"
         return report
+    if cand.device != ref.device:
+        report.message = f"wrong device: got {cand.device}, expected {ref.device}"
+        return report
     c64, r64 = cand.detach().double(), ref.detach().double()
     problems = []
     r_finite, c_finite = torch.isfinite(r64), torch.isfinite(c64)
@@ -316,7 +319,8 @@ def _check_invariance(case, cand, full: _Run, full_grads: dict, gold: _Gold, con
     rows = []
     for b in range(batch):
         inputs = {k: (v[b:b + 1] if k in batched else v) for k, v in case.inputs.items()}
-        run = _forward(cand.fn, inputs, case.grad_input_names if per_row_upstream and row_grads else ())
+        # The same autograd setting as the full-batch run: a kernel may pick another path without grad.
+        run = _forward(cand.fn, inputs, case.grad_input_names if check_grad else ())
         if run.error or len(run.outputs) != len(outputs):
             rows.append(run.error or f"returned {len(run.outputs)} outputs for one row, expected {len(outputs)}")
             continue
@@ -344,6 +348,7 @@ def _compare_rows(case_name, index, role, tol, whole, rows, pick) -> OutputRepor
                           reference_dtype=str(whole.dtype), mismatches=0, max_ulp=0, max_abs=0.0, mean_abs=0.0,
                           max_rel=0.0)
     failing, problems = [], []
+    total_abs, count = 0.0, 0
     for b, row in enumerate(rows):
         if isinstance(row, str):
             failing.append(b)
@@ -367,13 +372,18 @@ def _compare_rows(case_name, index, role, tol, whole, rows, pick) -> OutputRepor
             problems.append(f"row {b}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
             continue
         mismatches, ulp = _bit_mismatch(got, expected)
-        diff, _ = _finite_error(got.double(), expected.double())
+        diff, ref_abs = _finite_error(got.double(), expected.double())
         if diff.numel():
             report.max_abs = max(report.max_abs, float(diff.max()))
+            total_abs, count = total_abs + float(diff.sum()), count + diff.numel()
+            nonzero = ref_abs > 0
+            if nonzero.any():
+                report.max_rel = max(report.max_rel, float((diff[nonzero] / ref_abs[nonzero]).max()))
         report.mismatches += mismatches
         report.max_ulp = max(report.max_ulp, ulp)
         if mismatches:
             failing.append(b)
+    report.mean_abs = total_abs / count if count else 0.0
     if report.mismatches:
         problems.insert(0, f"rows {failing} alone differ in {report.mismatches} elements from the full batch "
                            f"(max {report.max_ulp} ulp)")

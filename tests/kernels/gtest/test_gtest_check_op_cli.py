@@ -62,6 +62,13 @@ def test_a_failing_candidate_exits_1(capsys, monkeypatch):
     assert code == 1 and FIRST_LINE.match(out.splitlines()[0]).group(2) == "False"
 
 
+def test_json_out_writes_the_report(capsys, tmp_path):
+    path = tmp_path / "evidence" / "silu.json"
+    code, out, _ = check_op(capsys, "--op", "silu", "--json-out", str(path), *SMALL)
+    assert code == 0 and FIRST_LINE.match(out.splitlines()[0])
+    assert json.loads(path.read_text())["suite"] == "silu"
+
+
 def test_list_names_every_op(capsys):
     code, out, _ = check_op(capsys, "--list")
     assert code == 0 and [line.split()[0] for line in out.splitlines()] == list(OP_SPECS)

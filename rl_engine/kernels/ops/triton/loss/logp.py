@@ -1,8 +1,19 @@
 """Selected-token log-probability in Triton: logp[b, s] = logits[b, s, t] - logsumexp(logits[b, s, :]).
 
-Forward: one program per row streams the vocabulary once in chunks of BLOCK_V. Each lane keeps its
-own running max and sum of exponentials in fp32 (one `exp` per element and no cross-lane reduction
-inside the loop); the lanes are folded once at the end. Only the per-row logsumexp (fp32) is saved.
+Forward: one program per row streams the vocabulary once in chunks of BLOCK_V and keeps a running
+max and sum of exponentials in fp32. Three ways to keep them (`ALGO`, a constexpr fixed per
+(dtype, V) in FORWARD_CONFIGS; `benchmarks/logp.py --sweep` times them on the H200):
+  "lane"   each lane has its own max; one exp per element as exp(-|x - m|) plus a select to decide
+           which side it rescales (about 15 instructions per element on sm_90: issue-bound).
+  "block"  one row max per chunk (a cross-warp tl.max), lane sums rescaled once per chunk:
+           s = s * 2^((m_old - m) log2e) + 2^(x log2e - m log2e) - an FFMA, an ex2 and an FFMA per
+           element.
+  "group"  a [BLOCK_V / G, G] view where each group of G contiguous elements is one thread's vector
+           load: per-group max and sum with no cross-thread traffic inside the loop; the groups are
+           folded once at the end.
+"block" and "group" use ex2.approx.ftz (one MUFU op; the non-ftz form Triton emits for tl.exp
+costs three more instructions for a denormal range that cannot change a sum that is >= 1).
+Only the per-row logsumexp (fp32) is saved.
 Backward: grad_logits[v] = g * (1[v == t] - exp(logit[v] - lse)), written in one pass in the
 logits' dtype.
 
@@ -21,6 +32,25 @@ from rl_engine.kernels.ops.pytorch.loss.logp import NativeLogpOp
 from rl_engine.kernels.ops.triton.runtime import cast_rne, interpreting
 
 
+LOG2E = 1.4426950408889634
+
+if interpreting():
+
+    @triton.jit
+    def exp2_ftz(x):
+        """2^x (the interpreter has no inline PTX)."""
+        return tl.exp2(x)
+
+else:
+
+    @triton.jit
+    def exp2_ftz(x):
+        """2^x as one MUFU.EX2 (ftz: results below 2^-126 flush to 0, inputs -inf give 0)."""
+        return tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+
 @triton.jit
 def _lane_update(m, s, x):
     # Lane-wise online logsumexp with one exp per element: if x raises the lane's max, rescale the
@@ -34,27 +64,73 @@ def _lane_update(m, s, x):
 
 
 @triton.jit
+def _block_update(m, s, x):
+    # m: the row's running max (a scalar); s: lane sums relative to m. One cross-warp max per chunk.
+    m_new = tl.maximum(m, tl.max(x, axis=0))
+    # While the row is all -inf so far, shift by 0 (not -inf) so that -inf - shift stays -inf, not NaN.
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new) * LOG2E
+    s = s * exp2_ftz(m * LOG2E - shift) + exp2_ftz(x * LOG2E - shift)
+    return m_new, s
+
+
+@triton.jit
+def _group_update(m, s, x):
+    # x: [groups, G], each group one thread's contiguous vector; m, s: [groups] per-group state.
+    m_new = tl.maximum(m, tl.max(x, axis=1))
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new) * LOG2E
+    s = s * exp2_ftz(m * LOG2E - shift) + tl.sum(exp2_ftz(x * LOG2E - shift[:, None]), axis=1)
+    return m_new, s
+
+
+@triton.jit
+def _fold(m, s):
+    # Lanes (or groups) -> the row's logsumexp, in an order fixed by the layout (not by the batch).
+    row_max = tl.max(m, axis=0)
+    total = tl.sum(tl.where(s > 0, s * tl.exp(m - row_max), 0.0), axis=0)
+    return row_max + tl.log(total)
+
+
+@triton.jit
 def _logp_forward_kernel(
     logits_ptr, target_ptr, logp_ptr, lse_ptr,
     row_stride, V,
-    BLOCK_V: tl.constexpr,
+    BLOCK_V: tl.constexpr, ALGO: tl.constexpr, G: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
-    offs = tl.arange(0, BLOCK_V)
-    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_V], tl.float32)
     full_end = (V // BLOCK_V) * BLOCK_V
+    if ALGO == "group":
+        offs = tl.arange(0, BLOCK_V // G)[:, None] * G + tl.arange(0, G)[None, :]
+        m = tl.full([BLOCK_V // G], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK_V // G], tl.float32)
+    elif ALGO == "block":
+        offs = tl.arange(0, BLOCK_V)
+        m = tl.full([], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK_V], tl.float32)
+    else:
+        offs = tl.arange(0, BLOCK_V)
+        m = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK_V], tl.float32)
     for start in range(0, full_end, BLOCK_V):
         x = tl.load(row_ptr + start + offs).to(tl.float32)
-        m, s = _lane_update(m, s, x)
+        if ALGO == "group":
+            m, s = _group_update(m, s, x)
+        elif ALGO == "block":
+            m, s = _block_update(m, s, x)
+        else:
+            m, s = _lane_update(m, s, x)
     if full_end < V:
-        mask = full_end + offs < V
-        x = tl.load(row_ptr + full_end + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        m, s = _lane_update(m, s, x)
-    row_max = tl.max(m, axis=0)
-    total = tl.sum(tl.where(s > 0, s * tl.exp(m - row_max), 0.0), axis=0)
-    lse = row_max + tl.log(total)
+        x = tl.load(row_ptr + full_end + offs, mask=full_end + offs < V, other=float("-inf")).to(tl.float32)
+        if ALGO == "group":
+            m, s = _group_update(m, s, x)
+        elif ALGO == "block":
+            m, s = _block_update(m, s, x)
+        else:
+            m, s = _lane_update(m, s, x)
+    if ALGO == "block":
+        lse = m + tl.log(tl.sum(s, axis=0))
+    else:
+        lse = _fold(m, s)
     # Ids are not range-checked on the host (that would synchronize); an id outside [0, V) gives NaN.
     target = tl.load(target_ptr + row).to(tl.int64)
     valid = (target >= 0) & (target < V)
@@ -84,10 +160,28 @@ def _logp_backward_kernel(
         tl.store(grad_row_ptr + cols, cast_rne(grad, grad_logits_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(dtype: torch.dtype, vocab: int) -> tuple[int, int]:
-    """(BLOCK_V, num_warps), fixed per (dtype, V). Never depends on the number of rows."""
+# The forward's one fixed configuration per dtype class - never keyed on the number of rows.
+# BLOCK_V is capped at next_power_of_2(V). `benchmarks/logp.py --sweep` times the alternatives.
+FORWARD_CONFIGS = {
+    "16bit": dict(ALGO="lane", BLOCK_V=4096, num_warps=8),
+    "fp32": dict(ALGO="lane", BLOCK_V=2048, num_warps=8),
+}
+ALGOS = ("lane", "block", "group")
+
+
+def _forward_config(dtype: torch.dtype, vocab: int) -> dict:
+    """ALGO, BLOCK_V, G (elements per 16-byte load) and num_warps, fixed per (dtype, V)."""
+    cfg = dict(FORWARD_CONFIGS["fp32" if dtype.itemsize > 2 else "16bit"])
     if interpreting():
         # Small chunks so that CPU tests at V ~ 100 exercise the multi-chunk and tail paths.
+        cfg.update(BLOCK_V=32, num_warps=1)
+    block_v = min(cfg["BLOCK_V"], triton.next_power_of_2(vocab))
+    return dict(cfg, BLOCK_V=block_v, G=min(16 // dtype.itemsize, block_v))
+
+
+def _backward_config(dtype: torch.dtype, vocab: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps), fixed per (dtype, V). Never depends on the number of rows."""
+    if interpreting():
         return min(32, triton.next_power_of_2(vocab)), 1
     cap = 4096 if dtype.itemsize <= 2 else 2048
     return min(cap, triton.next_power_of_2(vocab)), 8
@@ -116,11 +210,9 @@ class _LogpFunction(torch.autograd.Function):
         n = rows.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=logits.device)
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        block_v, num_warps = _config(logits.dtype, vocab)
+        cfg = _forward_config(logits.dtype, vocab)
         if n:
-            _logp_forward_kernel[(n,)](
-                rows, targets, logp, lse, rows.stride(0), vocab, BLOCK_V=block_v, num_warps=num_warps
-            )
+            _logp_forward_kernel[(n,)](rows, targets, logp, lse, rows.stride(0), vocab, **cfg)
         ctx.save_for_backward(rows, targets, lse)
         ctx.logits_shape = logits.shape
         return logp.reshape(batch_shape)
@@ -131,7 +223,7 @@ class _LogpFunction(torch.autograd.Function):
         n, vocab = rows.shape
         grad_out = grad_logp.reshape(-1).to(torch.float32).contiguous()
         grad_rows = torch.empty_like(rows)
-        block_v, num_warps = _config(rows.dtype, vocab)
+        block_v, num_warps = _backward_config(rows.dtype, vocab)
         if n:
             _logp_backward_kernel[(n,)](
                 rows, targets, lse, grad_out, grad_rows,
