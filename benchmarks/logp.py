@@ -1,6 +1,7 @@
 """Selected-token logprob from logits [N, V=151936] bf16: ours vs eager, torch.compile and Liger.
 
     python benchmarks/logp.py --out benchmarks/results [--quick]
+    python benchmarks/logp.py --out DIR --sweep      # forward variants only -> DIR/logp_sweep.json
 
 Implementations, side by side in one run:
   triton        TritonLogpOp (fp32-exact, batch invariant)
@@ -11,6 +12,10 @@ Implementations, side by side in one run:
 Bytes: forward = logits read + logp write; forward+backward = forward + logits read + grad write
 (three logits passes: the gradient can only be written once g is known). Percent of the copy
 bandwidth measured in this run. Error: max |logp - fp32 reference| per implementation.
+--sweep times each forward configuration in SWEEP (algorithm, BLOCK_V, num_warps) at
+[8192, 151936] bf16 (and 1024 tokens), checks it against the fp32 reference (|err| <= 1e-5 * max(1, |ref|))
+and for bitwise batch invariance (rows 4000..4002 alone, and row 7 alone, against the full batch),
+and prints a table; the shipped configuration is then set by hand in logp.FORWARD_CONFIGS.
 """
 
 from __future__ import annotations
@@ -30,11 +35,28 @@ from common import (
     write_json,
 )
 
+import rl_engine.kernels.ops.triton.loss.logp as ours
 from rl_engine.kernels.ops.pytorch.loss.logp import NativeLogpOp
 from rl_engine.kernels.ops.triton.loss.logp import TritonLogpOp
 
 VOCAB = 151936
 MAIN_TOKENS = 8192
+# Forward variants for --sweep (bf16). Static sm_90 facts from ptxas (regs / loop instructions per
+# element): lane 4096/8: 60 / 15.6; block 8192/8: 80 / 6.9; group 8192/8: 40 / 6.8, no barrier.
+SWEEP = [
+    dict(ALGO="lane", BLOCK_V=4096, num_warps=8),
+    dict(ALGO="lane", BLOCK_V=2048, num_warps=4),
+    dict(ALGO="block", BLOCK_V=4096, num_warps=8),
+    dict(ALGO="block", BLOCK_V=8192, num_warps=8),
+    dict(ALGO="block", BLOCK_V=16384, num_warps=16),
+    dict(ALGO="group", BLOCK_V=2048, num_warps=4),
+    dict(ALGO="group", BLOCK_V=4096, num_warps=4),
+    dict(ALGO="group", BLOCK_V=4096, num_warps=8),
+    dict(ALGO="group", BLOCK_V=8192, num_warps=4),
+    dict(ALGO="group", BLOCK_V=8192, num_warps=8),
+    dict(ALGO="group", BLOCK_V=16384, num_warps=8),
+    dict(ALGO="group", BLOCK_V=16384, num_warps=16),
+]
 
 
 def eager_fp32(logits, targets):
@@ -95,8 +117,63 @@ def run_one(name, fn, tokens, copy_gbs, warmup, rep) -> dict:
     return row
 
 
+def sweep_one(cfg, logits, targets, ref, copy_gbs) -> dict:
+    """Time one forward configuration; check accuracy and bitwise batch invariance first."""
+    op = TritonLogpOp()
+    shipped = ours.FORWARD_CONFIGS["16bit"]
+    ours.FORWARD_CONFIGS["16bit"] = cfg
+    try:
+        out = op(logits=logits, target_ids=targets)
+        row = {"max_rel_err": ((out - ref).abs() / ref.abs().clamp(min=1.0)).max().item()}
+        row["fp32_exact"] = row["max_rel_err"] <= 1e-5
+        some = op(logits=logits[:, 4000:4003].contiguous(), target_ids=targets[:, 4000:4003])
+        alone = op(logits=logits[:, 7:8], target_ids=targets[:, 7:8])
+        row["invariant"] = torch.equal(some, out[:, 4000:4003]) and torch.equal(alone, out[:, 7:8])
+        row["deterministic"] = torch.equal(op(logits=logits, target_ids=targets), out)
+        with torch.no_grad():
+            row["fwd_ms"] = bench_ms(lambda: op(logits=logits, target_ids=targets))
+            head, head_t = logits[:, :1024], targets[:, :1024]
+            row["fwd_ms_1024"] = bench_ms(lambda: op(logits=head, target_ids=head_t))
+        fwd_bytes = logits.numel() * logits.element_size() + logits.shape[1] * 12
+        row["fwd_pct_copy"] = 100 * fwd_bytes / (row["fwd_ms"] * 1e-3) / GB / copy_gbs
+        row["fwd_pct_copy_1024"] = 100 * fwd_bytes / 8 / (row["fwd_ms_1024"] * 1e-3) / GB / copy_gbs
+        return row
+    finally:
+        ours.FORWARD_CONFIGS["16bit"] = shipped
+
+
+def sweep(args) -> int:
+    print(environment())
+    copy = measure("copy ceiling", copy_ceiling)
+    copy_gbs = copy.get("gb_per_s", float("nan"))
+    print(f"copy ceiling: {copy_gbs:.0f} GB/s; shipped 16-bit forward config: {ours.FORWARD_CONFIGS['16bit']}")
+    torch.manual_seed(0)
+    logits = (torch.randn(1, MAIN_TOKENS, VOCAB, device="cuda") * 4).to(torch.bfloat16)
+    targets = torch.randint(0, VOCAB, (1, MAIN_TOKENS), device="cuda")
+    ref = NativeLogpOp()(logits=logits, target_ids=targets)
+    rows = []
+    for cfg in SWEEP:
+        rows.append({**cfg, **measure(f"forward {cfg}", sweep_one, cfg, logits, targets, ref, copy_gbs)})
+    print_table(rows, ["ALGO", "BLOCK_V", "num_warps", "fwd_ms", "fwd_pct_copy", "fwd_ms_1024",
+                       "fwd_pct_copy_1024", "max_rel_err", "fp32_exact", "invariant", "deterministic", "error"])
+    ok = [r for r in rows if r.get("fp32_exact") and r.get("invariant") and r.get("deterministic")]
+    if ok:
+        best = min(ok, key=lambda r: r["fwd_ms"])
+        print(f"fastest exact+invariant: {({k: best[k] for k in ('ALGO', 'BLOCK_V', 'num_warps')})} "
+              f"{best['fwd_ms']:.3f} ms = {best['fwd_pct_copy']:.1f}% of copy")
+    write_json(args.out, "logp_sweep", {
+        "vocab": VOCAB, "dtype": "bfloat16", "tokens": MAIN_TOKENS, "ceilings": {"copy": copy},
+        "shipped": ours.FORWARD_CONFIGS, "rows": rows,
+    })
+    return 0
+
+
 def main() -> int:
-    args = arg_parser(__doc__.splitlines()[0]).parse_args()
+    parser = arg_parser(__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="only time the forward variants in SWEEP")
+    args = parser.parse_args()
+    if args.sweep:
+        return sweep(args)
     token_sweep = [MAIN_TOKENS] if args.quick else [1024, 2048, 4096, MAIN_TOKENS]
     warmup, rep = (10, 40) if args.quick else (20, 80)
     print(environment())

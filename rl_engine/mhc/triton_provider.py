@@ -14,8 +14,15 @@ from 4/24 (the contract already pins those).
 from __future__ import annotations
 
 from rl_engine.mhc.contract import FUSION_MODES, PLACEMENTS, TRAINABILITY, LayerContract
-from rl_engine.mhc.kernels import controller_affine, fp32_gemm_rms, hc_split_sinkhorn, mhc_post, mhc_pre
-from rl_engine.mhc.kernels import mhc_pre_rmsnorm, rmsnorm_residual
+from rl_engine.mhc.kernels import (
+    controller_affine,
+    fp32_gemm_rms,
+    hc_split_sinkhorn,
+    mhc_post,
+    mhc_pre,
+    mhc_pre_rmsnorm,
+    rmsnorm_residual,
+)
 from rl_engine.mhc.numerics import PROFILE
 from rl_engine.mhc.trace import OPERATORS
 

@@ -2,9 +2,10 @@
 
 Two modes:
 - `random`: each tensor draws from its own generator, seeded from (seed, op, tensor name), so a
-  tensor's values do not change when another tensor is added or resized. Values are drawn on the
-  CPU in fp32, then cast to the case dtype and moved to the device: the same seed gives the same
-  inputs on every device.
+  tensor's values do not change when another tensor is added or resized. Values are drawn in fp32
+  on the target device (a Qwen3-8B LM head weight is 622M values: seconds on a CPU, milliseconds on
+  a GPU), then cast to the case dtype. The same seed gives the same inputs on the same device type;
+  a CPU and a GPU draw different values.
 - `constant`: every floating tensor holds `constant_value`, every id `token_value % vocab`.
 
 Dims default to sizes a CPU checks in milliseconds; `QWEN3_8B` holds the production geometry.
@@ -76,22 +77,23 @@ class _Draw:
 
     def _generator(self, name: str) -> torch.Generator:
         digest = hashlib.sha256(f"{self.seed}:{self.op}:{name}".encode()).digest()
-        return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+        seed = int.from_bytes(digest[:8], "little") & (2**63 - 1)
+        return torch.Generator(device=self.device).manual_seed(seed)
 
     def normal(self, name: str, shape, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
         if self.mode == "constant":
-            values = torch.full(shape, float(self.constant_value))
+            values = torch.full(shape, float(self.constant_value), device=self.device)
         else:
-            values = torch.randn(shape, generator=self._generator(name)) * scale + shift
-        return values.to(self.dtype).to(self.device)
+            values = torch.randn(shape, generator=self._generator(name), device=self.device) * scale + shift
+        return values.to(self.dtype)
 
     def ints(self, name: str, shape, low: int, high: int, dtype=torch.int64) -> torch.Tensor:
         """Integers in [low, high); constant mode gives low + token_value % (high - low)."""
         if self.mode == "constant":
-            values = torch.full(shape, low + self.token_value % (high - low), dtype=torch.int64)
+            values = torch.full(shape, low + self.token_value % (high - low), dtype=torch.int64, device=self.device)
         else:
-            values = torch.randint(low, high, shape, generator=self._generator(name))
-        return values.to(dtype).to(self.device)
+            values = torch.randint(low, high, shape, generator=self._generator(name), device=self.device)
+        return values.to(dtype)
 
 
 def _logp(d: OperatorDims, draw: _Draw) -> dict:

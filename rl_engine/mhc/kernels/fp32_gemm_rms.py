@@ -16,11 +16,12 @@ import triton.language as tl
 
 from rl_engine.mhc.contract import LayerContract
 from rl_engine.mhc.kernels import strict_fp32 as sf
-from rl_engine.mhc.kernels.launch import STRICT, lanes, log2
+from rl_engine.mhc.kernels.launch import INTERPRET, STRICT, lanes, log2
 
 BLOCK_T = 32  # tokens per program (amortises the φ reads)
 GROUP_LANES = 16  # lanes per program; L / GROUP_LANES groups run in parallel
-BLOCK_K = 32  # columns per program of the backward
+BLOCK_K = 128 if INTERPRET else 32  # columns per program of the d_phi kernel
+BLOCK_K_DX = 128 if INTERPRET else 32  # columns per program of the d_x kernel
 
 
 @triton.jit
@@ -190,7 +191,7 @@ def fp32_gemm_rms_bwd(streams: torch.Tensor, phi: torch.Tensor, r: torch.Tensor,
     # s is recomputed by the forward kernel (its projection half is discarded). Inside: r is a dummy.
     q = r if inside else _sum_of_squares_root(x, phi, contract)
     d_x = torch.empty(t, k, dtype=torch.float32, device=x.device)
-    bt, bk = 16, 32
+    bt, bk = 16, BLOCK_K_DX
     _bwd_dx_kernel[(triton.cdiv(t, bt), triton.cdiv(k, bk))](
         x, phi, r, d_p, d_r, q, d_x, t, k, EPS_INSIDE=inside, BT=bt, BK=bk,
         num_warps=8, **STRICT)

@@ -1,6 +1,11 @@
 """Launch settings every strict-fp32 kernel shares."""
 
+from rl_engine.kernels.ops.triton.runtime import interpreting
 from rl_engine.mhc.contract import LayerContract
+
+# Under the CPU interpreter every program costs Python overhead: fewer, larger blocks. Block sizes never
+# change the bits (every reduction order is fixed by the contract), only the speed.
+INTERPRET = interpreting()
 
 # No FMA contraction: a·b + c must round twice, as in the oracle (DESIGN.md, strict fp32 profile).
 STRICT = {"enable_fp_fusion": False}

@@ -1,7 +1,9 @@
 """TritonLogpOp against the fp32 gold op; batch invariance and determinism, bit for bit.
 
 Without CUDA these run under the Triton CPU interpreter (tests/conftest.py) at small shapes with
-BLOCK_V = 32, so V = 37 / 64 / 100 cover one partial chunk, exact chunks and a tail.
+BLOCK_V = 32, so V = 37 / 64 / 100 cover one partial chunk, exact chunks and a tail. The forward
+tests run every forward algorithm (module.ALGOS), not only the shipped one, so that the one the
+H200 sweep picks is already tested.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import rl_engine.kernels.ops.triton.loss.logp as module
 from rl_engine.kernels.ops.pytorch.loss.logp import NativeLogpOp
 from rl_engine.kernels.ops.triton.loss.logp import TritonLogpOp
 
@@ -24,6 +27,14 @@ def _inputs(b, s, v, dtype, seed=0, scale=3.0):
     return logits.to(DEVICE), targets.to(DEVICE)
 
 
+@pytest.fixture(params=module.ALGOS)
+def algo(request, monkeypatch):
+    """Run the test with this forward algorithm for every dtype."""
+    configs = {k: dict(v, ALGO=request.param) for k, v in module.FORWARD_CONFIGS.items()}
+    monkeypatch.setattr(module, "FORWARD_CONFIGS", configs)
+    return request.param
+
+
 def _grads(op, logits, targets, grad_out):
     x = logits.detach().clone().requires_grad_()
     out = op(logits=x, target_ids=targets)
@@ -33,7 +44,7 @@ def _grads(op, logits, targets, grad_out):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab", [37, 64, 100])
-def test_forward_matches_fp32_reference(dtype, vocab):
+def test_forward_matches_fp32_reference(dtype, vocab, algo):
     logits, targets = _inputs(2, 3, vocab, dtype)
     out = TritonLogpOp()(logits=logits, target_ids=targets)
     ref = NativeLogpOp()(logits=logits, target_ids=targets)
@@ -58,13 +69,21 @@ def test_backward_matches_autograd_of_reference(dtype, vocab):
         assert ((grad.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-6).all()
 
 
-def test_masked_vocabulary_entries_and_extreme_values():
+def test_masked_vocabulary_entries_and_extreme_values(algo):
     logits, targets = _inputs(2, 3, 100, torch.float32, scale=30.0)
     logits[:, :, 50:70] = float("-inf")  # e.g. tokens masked out by a sampler
     logits[0, 1, :33] = float("-inf")  # a whole first chunk of -inf
     out = TritonLogpOp()(logits=logits, target_ids=targets)
     ref = NativeLogpOp()(logits=logits, target_ids=targets)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_fully_masked_row_is_nan_like_the_reference(algo):
+    logits, targets = _inputs(1, 2, 100, torch.float32)
+    logits[0, 1] = float("-inf")
+    out = TritonLogpOp()(logits=logits, target_ids=targets)
+    ref = NativeLogpOp()(logits=logits, target_ids=targets)
+    assert torch.isfinite(out[0, 0]) and torch.isnan(out[0, 1]) and torch.isnan(ref[0, 1])
 
 
 def test_non_contiguous_logits():
@@ -76,7 +95,7 @@ def test_non_contiguous_logits():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batch_invariance_bitwise(dtype):
+def test_batch_invariance_bitwise(dtype, algo):
     logits, targets = _inputs(4, 5, 100, dtype, seed=3)
     grad_out = torch.randn(4, 5, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     out, grad = _grads(TritonLogpOp(), logits, targets, grad_out)
@@ -90,12 +109,10 @@ def test_batch_invariance_bitwise(dtype):
 def test_invariance_check_sees_a_config_change(monkeypatch):
     # Planted bug: a chunk size that changed with the batch would change the bits, and the
     # bitwise comparison above would catch it (it is not vacuous).
-    import rl_engine.kernels.ops.triton.loss.logp as module
-
     logits, targets = _inputs(4, 5, 100, torch.float32, seed=6)
     shipped = TritonLogpOp()(logits=logits, target_ids=targets)
-    block_v, num_warps = module._config(logits.dtype, 100)
-    monkeypatch.setattr(module, "_config", lambda dtype, vocab: (block_v // 2, num_warps))
+    cfg = module._forward_config(logits.dtype, 100)
+    monkeypatch.setattr(module, "_forward_config", lambda dtype, vocab: dict(cfg, BLOCK_V=cfg["BLOCK_V"] // 2))
     planted = TritonLogpOp()(logits=logits, target_ids=targets)
     torch.testing.assert_close(planted, shipped, rtol=1e-5, atol=1e-5)
     assert not torch.equal(planted, shipped)

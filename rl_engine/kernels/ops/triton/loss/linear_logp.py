@@ -29,15 +29,28 @@ import triton.language as tl
 
 from rl_engine.kernels.ops.pytorch.base import expect_rank, expect_shape
 from rl_engine.kernels.ops.pytorch.loss.linear_logp import NativeLinearLogpOp
+from rl_engine.kernels.ops.triton.loss.logp import LOG2E, exp2_ftz
 from rl_engine.kernels.ops.triton.runtime import cast_rne, dot_fp32, interpreting
 
-# One fixed configuration per dtype (never keyed on the number of tokens).
+
+def _gemm(block_m, block_n, block_k, num_warps, num_stages, group=16) -> dict:
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=group,
+                num_warps=num_warps, num_stages=num_stages)
+
+
+# One fixed configuration per dtype (never keyed on the number of tokens). The top-level tiles are
+# the logits tiles of the forward and of the backward's recompute (which must match the forward's
+# tile shapes and K order bit for bit); DH and DW are the backward's gradient GEMMs (their own
+# tiles: they change no forward bit). `benchmarks/linear_logp.py --tile-sweep / --bwd-sweep`.
 _GPU_CONFIGS = {
-    "16bit": dict(BLOCK_T=128, BLOCK_V=128, BLOCK_H=64, GROUP=16, num_warps=8, num_stages=3, VOCAB_CHUNK=4096),
-    "fp32": dict(BLOCK_T=64, BLOCK_V=64, BLOCK_H=32, GROUP=16, num_warps=4, num_stages=2, VOCAB_CHUNK=4096),
+    "16bit": dict(BLOCK_T=128, BLOCK_V=128, BLOCK_H=64, GROUP=16, num_warps=8, num_stages=3, VOCAB_CHUNK=4096,
+                  DH=_gemm(128, 128, 64, 8, 3), DW=_gemm(128, 128, 64, 8, 3)),
+    "fp32": dict(BLOCK_T=64, BLOCK_V=64, BLOCK_H=32, GROUP=16, num_warps=4, num_stages=2, VOCAB_CHUNK=4096,
+                 DH=_gemm(64, 64, 32, 4, 2), DW=_gemm(64, 64, 32, 4, 2)),
 }
 # Small tiles under the CPU interpreter, so tests at V ~ 100, H ~ 32 cross tile and chunk borders.
-_INTERPRETER_CONFIG = dict(BLOCK_T=16, BLOCK_V=16, BLOCK_H=16, GROUP=2, num_warps=1, num_stages=1, VOCAB_CHUNK=32)
+_INTERPRETER_CONFIG = dict(BLOCK_T=16, BLOCK_V=16, BLOCK_H=16, GROUP=2, num_warps=1, num_stages=1, VOCAB_CHUNK=32,
+                           DH=_gemm(16, 16, 16, 1, 1, group=2), DW=_gemm(16, 16, 16, 1, 1, group=2))
 
 
 def config(dtype: torch.dtype) -> dict:
@@ -105,16 +118,19 @@ def _partials_kernel(
         HAS_BIAS, BLOCK_T, BLOCK_V, BLOCK_H, EVEN_H, DOT_FP32, INPUT_PRECISION,
     )
     acc = tl.where((cols < V)[None, :], acc, float("-inf"))
-    tile_max = tl.max(acc, axis=1)
-    tile_sum = tl.sum(tl.exp(acc - tile_max[:, None]), axis=1)
+    tile_max = tl.max(acc, axis=1)  # finite: every tile holds at least one column < V
+    # exp(acc - max) as 2^(acc log2e - max log2e): one FFMA and one MUFU.EX2 per element.
+    tile_sum = tl.sum(exp2_ftz(acc * LOG2E - (tile_max * LOG2E)[:, None]), axis=1)
     row_ok = rows < N
     rows64 = rows.to(tl.int64)
     tl.store(part_max_ptr + rows64 * num_vtiles + tile_v, tile_max, mask=row_ok)
     tl.store(part_sum_ptr + rows64 * num_vtiles + tile_v, tile_sum, mask=row_ok)
     target = tl.load(target_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
-    picked = tl.sum(tl.where(cols[None, :] == target[:, None], acc, 0.0), axis=1)
     in_tile = (target >= tile_v * BLOCK_V) & (target < tile_v * BLOCK_V + BLOCK_V) & (target < V)
-    tl.store(target_logit_ptr + rows, picked, mask=row_ok & in_tile)
+    # Only about one tile in ten holds any of its BLOCK_T tokens' targets: skip the pick elsewhere.
+    if tl.max(in_tile.to(tl.int32), axis=0) > 0:
+        picked = tl.sum(tl.where(cols[None, :] == target[:, None], acc, 0.0), axis=1)
+        tl.store(target_logit_ptr + rows, picked, mask=row_ok & in_tile)
 
 
 @triton.jit
@@ -158,7 +174,7 @@ def _dlogits_kernel(
     g = tl.load(grad_out_ptr + rows, mask=row_ok, other=0.0)
     target = tl.load(target_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
     onehot = tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
-    dlogits = g[:, None] * (onehot - tl.exp(acc - lse[:, None]))
+    dlogits = g[:, None] * (onehot - exp2_ftz(acc * LOG2E - (lse * LOG2E)[:, None]))
     ptrs = dlogits_ptr + rows.to(tl.int64)[:, None] * stride_dn + local[None, :]
     tl.store(ptrs, cast_rne(dlogits, dlogits_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < v_stop)[None, :])
 
@@ -173,6 +189,8 @@ def _matmul_kernel(
 ):
     # C[M, N] (+)= A[M, K] @ B[K, N] in fp32 with a fixed K order; one program owns one C tile, so
     # a row of C depends only on that row of A, and sums over K need no atomics.
+    # ACCUMULATE: C = C + (A @ B), the product summed from zero first and C read only after the loop
+    # (reading it first kept a second fp32 tile live through the loop: 173 registers, 1 CTA per SM).
     # ROW_SUM: programs of the first column-tile also write sum_k A[m, k] (the bias gradient).
     tile_m, tile_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -184,12 +202,7 @@ def _matmul_kernel(
     col_ok = cols < N
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k.to(tl.int64)[None, :] * stride_ak
     b_ptrs = b_ptr + offs_k.to(tl.int64)[:, None] * stride_bk + cols[None, :] * stride_bn
-    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
-    c_mask = row_ok[:, None] & col_ok[None, :]
-    if ACCUMULATE:
-        acc = tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
@@ -207,6 +220,11 @@ def _matmul_kernel(
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    # C's pointers are built only now, so that they are not live (64-bit, one per element) in the loop.
+    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+    c_mask = row_ok[:, None] & col_ok[None, :]
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
     tl.store(c_ptrs, cast_rne(acc, c_ptr.dtype.element_ty), mask=c_mask)
     if ROW_SUM:
         tl.store(row_sum_ptr + rows, cast_rne(row_sum, row_sum_ptr.dtype.element_ty), mask=(rows < M) & (tile_n == 0))
@@ -217,17 +235,16 @@ def _dot_options(dtype: torch.dtype) -> dict:
     return dict(DOT_FP32=dot_fp32(dtype), INPUT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
 
 
-def _matmul(a, b, c, *, accumulate=False, row_sum=None, cfg) -> None:
+def _matmul(a, b, c, *, accumulate=False, row_sum=None, gemm) -> None:
+    """c (+)= a @ b with the tiles of `gemm` (a _gemm(...) dict)."""
     m, k = a.shape
     n = b.shape[1]
-    grid = (triton.cdiv(m, cfg["BLOCK_T"]) * triton.cdiv(n, cfg["BLOCK_V"]),)
+    grid = (triton.cdiv(m, gemm["BLOCK_M"]) * triton.cdiv(n, gemm["BLOCK_N"]),)
     _matmul_kernel[grid](
         a, b, c, row_sum if row_sum is not None else c, m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        ACCUMULATE=accumulate, ROW_SUM=row_sum is not None,
-        BLOCK_M=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_H"], GROUP=cfg["GROUP"],
-        EVEN_K=k % cfg["BLOCK_H"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **_dot_options(a.dtype),
+        ACCUMULATE=accumulate, ROW_SUM=row_sum is not None, EVEN_K=k % gemm["BLOCK_K"] == 0,
+        **gemm, **_dot_options(a.dtype),
     )
 
 
@@ -255,6 +272,20 @@ def _forward(hidden, weight, bias, targets, cfg):
     return logp, lse
 
 
+def _dlogits(hidden, weight, bias, targets, lse, grad_out, d, v_start, v_stop, cfg) -> None:
+    n, h = hidden.shape
+    v = weight.shape[0]
+    grid = (triton.cdiv(n, cfg["BLOCK_T"]) * triton.cdiv(v_stop - v_start, cfg["BLOCK_V"]),)
+    _dlogits_kernel[grid](
+        hidden, weight, bias if bias is not None else weight, targets, lse, grad_out, d,
+        n, v, h, v_start, v_stop, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        d.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_T=cfg["BLOCK_T"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"],
+        GROUP=cfg["GROUP"], EVEN_H=h % cfg["BLOCK_H"] == 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dot_options(hidden.dtype),
+    )
+
+
 def _backward(hidden, weight, bias, targets, lse, grad_out, cfg, need_hidden, need_weight, need_bias):
     n, h = hidden.shape
     v = weight.shape[0]
@@ -267,23 +298,15 @@ def _backward(hidden, weight, bias, targets, lse, grad_out, cfg, need_hidden, ne
     for v_start in range(0, v, chunk):
         v_stop = min(v_start + chunk, v)
         d = dlogits[:, : v_stop - v_start]
-        grid = (triton.cdiv(n, cfg["BLOCK_T"]) * triton.cdiv(v_stop - v_start, cfg["BLOCK_V"]),)
-        _dlogits_kernel[grid](
-            hidden, weight, bias if bias is not None else weight, targets, lse, grad_out, d,
-            n, v, h, v_start, v_stop, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-            d.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_T=cfg["BLOCK_T"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"],
-            GROUP=cfg["GROUP"], EVEN_H=h % cfg["BLOCK_H"] == 0,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dot_options(hidden.dtype),
-        )
+        _dlogits(hidden, weight, bias, targets, lse, grad_out, d, v_start, v_stop, cfg)
         if need_hidden:
-            _matmul(d, weight[v_start:v_stop], grad_hidden, accumulate=v_start > 0, cfg=cfg)
+            _matmul(d, weight[v_start:v_stop], grad_hidden, accumulate=v_start > 0, gemm=cfg["DH"])
         if need_weight or need_bias:
             out = grad_weight[v_start:v_stop] if need_weight else torch.empty(
                 v_stop - v_start, h, dtype=hidden.dtype, device=hidden.device
             )
             row_sum = grad_bias[v_start:v_stop] if need_bias else None
-            _matmul(d.t(), hidden, out, row_sum=row_sum, cfg=cfg)
+            _matmul(d.t(), hidden, out, row_sum=row_sum, gemm=cfg["DW"])
     return grad_hidden, grad_weight, grad_bias
 
 

@@ -31,8 +31,7 @@ from rl_engine.kernels.ops.pytorch.base import expect_rank, expect_shape
 from rl_engine.kernels.ops.pytorch.loss.logp import NativeLogpOp
 from rl_engine.kernels.ops.triton.runtime import cast_rne, interpreting
 
-
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = 2^(x log2e)
 
 if interpreting():
 
