@@ -48,10 +48,15 @@ def test_wrong_output_dtype_names_the_node():
     assert failures == ["node logp: op linear_logp returned float64, profile torch_bf16 declares float32"]
 
 
-def test_tf32_on_fails(monkeypatch):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    failures = _run(_model("reference_fp32"))
+def test_tf32_on_fails():
+    # The same API the gold ops use to turn TF32 off, so the global state is restored cleanly.
+    torch.set_float32_matmul_precision("high")
+    try:
+        failures = _run(_model("torch_bf16"))
+    finally:
+        torch.set_float32_matmul_precision("highest")
     assert "node model.layers.0.self_attn.q_proj: op matmul ran with TF32 enabled" in failures
+    assert torch.get_float32_matmul_precision() == "highest"
 
 
 def test_node_that_bypasses_the_registry_is_missing():

@@ -54,3 +54,17 @@ def test_torch_bf16_on_gpu_runs_and_reports():
     report = run_harness(config, weights, workload, "torch_bf16", "cuda", gradients=False)
     assert not report["errors"], report["errors"]
     assert report["provenance"]["passed"]
+
+
+@pytest.mark.gpu
+def test_qwen3_8b_two_layers_triton_bitwise_on_gpu():
+    from rl_engine.models.weights import content_hash
+
+    config = CONFIGS["qwen3-8b"]
+    workload = load_workload(config)
+    short = config.with_layers(2)
+    weights = synthetic_weights(short, workload.weight_seed, device="cuda")
+    assert len(content_hash(weights)) == 64
+    report = run_harness(short, weights, workload, "triton_bf16", "cuda", gradients=False)
+    assert not report["errors"], report["errors"]
+    assert report["forward_invariance"]["passed"] and report["parity"]["passed"] and report["provenance"]["passed"]

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rl_engine.kernels.ops.triton.runtime import dot_fp32
+from rl_engine.kernels.ops.triton.runtime import cast_rne, dot_fp32
 
 LOG2_E = 1.4426950408889634
 # The running max starts finite so that a block masked for a row gives alpha = exp2(0) = 1, not NaN.
@@ -175,7 +175,7 @@ def _flash_forward_kernel(
         p = tl.math.exp2(s - m_new[:, None])
         # p is rounded to the value dtype for the product (tensor-core operands); l sums the same
         # rounded weights, so that out = Σ p̃·v / Σ p̃ stays a weighted mean of v (halves bf16 error).
-        p_v = p.to(kv_base)
+        p_v = cast_rne(p, kv_base)
         l = l * alpha + tl.sum(p_v.to(tl.float32), 1)
         if DOT_FP32:
             p_v = p_v.to(tl.float32)
@@ -186,7 +186,7 @@ def _flash_forward_kernel(
     l_safe = tl.where(l > 0.0, l, 1.0)  # a query with no visible key outputs 0, not NaN
     out = acc / l_safe[:, None]
     o_off = (q_row0 + q_idx).to(tl.int64) * stride_or + head * stride_oh
-    tl.store(O + o_off[:, None] + d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(O + o_off[:, None] + d[None, :], cast_rne(out, O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     lse = m + tl.math.log2(l_safe)  # rows without keys are never stored
     tl.store(LSE + (q_row0 + q_idx).to(tl.int64) * stride_lr + head, lse, mask=row_ok)
 
@@ -306,12 +306,12 @@ def _flash_backward_dq_kernel(
         p = tl.where(visible, tl.math.exp2(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
-        ds_k = ds.to(k_base)
+        ds_k = cast_rne(ds, k_base)
         if DOT_FP32:
             ds_k = ds_k.to(tl.float32)
         dq = tl.dot(ds_k, k, dq, input_precision=DOT_PRECISION)
     dq = dq * scale
-    tl.store(DQ + q_off[:, None] + d[None, :], dq.to(DQ.dtype.element_ty), mask=row_mask)
+    tl.store(DQ + q_off[:, None] + d[None, :], cast_rne(dq, DQ.dtype.element_ty), mask=row_mask)
 
 
 @triton.jit
@@ -375,19 +375,19 @@ def _flash_backward_dkdv_kernel(
             if CAUSAL:
                 visible = visible & (k_pos[:, None] <= q_pos[None, :])
             p_t = tl.where(visible, tl.math.exp2(s_t - lse[None, :]), 0.0)
-            p_do = p_t.to(q_base)
+            p_do = cast_rne(p_t, q_base)
             if DOT_FP32:
                 p_do = p_do.to(tl.float32)
             dv = tl.dot(p_do, do, dv, input_precision=DOT_PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
-            ds_q = ds_t.to(q_base)
+            ds_q = cast_rne(ds_t, q_base)
             if DOT_FP32:
                 ds_q = ds_q.to(tl.float32)
             dk = tl.dot(ds_q, q, dk, input_precision=DOT_PRECISION)
     dk = dk * scale
-    tl.store(DK + k_off[:, None] + d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + k_off[:, None] + d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+    tl.store(DK + k_off[:, None] + d[None, :], cast_rne(dk, DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + k_off[:, None] + d[None, :], cast_rne(dv, DV.dtype.element_ty), mask=kv_mask)
 
 
 DELTA_BLOCK_R = 32
