@@ -1,6 +1,7 @@
 """Fused linear + selected-token logprob, H=4096, V=151936 bf16: ours vs eager, torch.compile, Liger.
 
-    python benchmarks/linear_logp.py --out benchmarks/results [--quick] [--tile-sweep]
+    python benchmarks/linear_logp.py --out benchmarks/results [--quick] [--tile-sweep] [--bwd-sweep]
+    python benchmarks/linear_logp.py --out DIR --tile-sweep --bwd-sweep --sweeps-only   # sweeps alone
 
 Implementations, side by side in one run:
   triton        TritonLinearLogpOp (never materializes the logits; batch invariant)
@@ -11,8 +12,15 @@ Implementations, side by side in one run:
 Reference lines measured in the same run: the cuBLAS GEMM hidden @ W^T at each shape and
 torch.matmul 8192^3. TFLOP/s counts 2*N*H*V for the forward and 6*N*H*V for forward+backward
 (the three GEMMs of eager autograd; ours recomputes the logits in backward, so it executes 8*N*H*V).
---tile-sweep times our forward under a few alternative tile configurations (exploration only:
-the shipped configuration stays one fixed choice per dtype).
+--tile-sweep times our forward and backward under alternative logits-tile configurations (the
+backward's logits recompute shares them); --bwd-sweep times, at N=4096, each backward kernel alone
+on one vocabulary chunk (dlogits recompute, dH GEMM with accumulation, dW GEMM) per GEMM tile
+config next to cuBLAS on the same shapes, then the whole backward under a few complete configs
+(GEMM tiles, VOCAB_CHUNK), each checked against the shipped config's gradients and for batch
+invariance of the hidden gradient. Exploration only: the shipped configuration stays one fixed
+choice per dtype (ours._GPU_CONFIGS), set by hand from these tables.
+Floor for forward+backward without materializing the logits: 4 GEMMs (forward, recompute, dH,
+dW), i.e. 4.0x the cuBLAS GEMM at cuBLAS speed; the 3.5x goal assumes the 3 GEMMs of eager.
 """
 
 from __future__ import annotations
@@ -38,12 +46,28 @@ from rl_engine.kernels.ops.triton.loss import linear_logp as ours
 
 HIDDEN, VOCAB = 4096, 151936
 MAIN_TOKENS = 4096
+# Logits tiles (forward partials + backward recompute). ptxas, sm_90: 128x128 119 regs, 96 KB smem
+# (2 CTAs/SM); 128x256 and 256x128 ~235 regs, 144 KB (s3) / 192 KB (s4) smem, no spills (1 CTA/SM).
 TILE_SWEEP = [
     dict(BLOCK_T=128, BLOCK_V=128, BLOCK_H=64, num_warps=8, num_stages=3),
     dict(BLOCK_T=128, BLOCK_V=256, BLOCK_H=64, num_warps=8, num_stages=3),
+    dict(BLOCK_T=128, BLOCK_V=256, BLOCK_H=64, num_warps=8, num_stages=4),
+    dict(BLOCK_T=256, BLOCK_V=128, BLOCK_H=64, num_warps=8, num_stages=3),
+    dict(BLOCK_T=256, BLOCK_V=128, BLOCK_H=64, num_warps=8, num_stages=4),
     dict(BLOCK_T=128, BLOCK_V=128, BLOCK_H=64, num_warps=4, num_stages=4),
     dict(BLOCK_T=128, BLOCK_V=128, BLOCK_H=128, num_warps=8, num_stages=3),
-    dict(BLOCK_T=64, BLOCK_V=256, BLOCK_H=64, num_warps=4, num_stages=4),
+]
+# Gradient-GEMM tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for dH and dW, timed alone.
+GEMM_SWEEP = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3),
+              (128, 128, 64, 4, 4), (128, 128, 64, 8, 4)]
+# Complete backward configs: overrides of the shipped 16-bit config.
+BWD_SWEEP = [
+    {},
+    dict(VOCAB_CHUNK=8192),
+    dict(DH=ours._gemm(128, 256, 64, 8, 3), DW=ours._gemm(128, 256, 64, 8, 3)),
+    dict(DH=ours._gemm(128, 256, 64, 8, 3), DW=ours._gemm(128, 256, 64, 8, 3), VOCAB_CHUNK=8192),
+    dict(BLOCK_T=128, BLOCK_V=256, DH=ours._gemm(128, 256, 64, 8, 3), DW=ours._gemm(128, 256, 64, 8, 3),
+         VOCAB_CHUNK=8192),
 ]
 
 
@@ -106,29 +130,157 @@ def run_one(name, fn, tokens, ref, gemm_ms, warmup, rep) -> dict:
     return row
 
 
-def time_forward(hidden, weight, targets, warmup, rep) -> dict:
-    return {"fwd_ms": bench_ms(lambda: ours.linear_logp(hidden, weight, targets), warmup=warmup, rep=rep)}
+def time_forward_backward(hidden, weight, targets, gemm_ms, warmup, rep, reference=None) -> dict:
+    """Forward and backward (alone, graph retained) ms of the current config; optional gradient check."""
+    with torch.no_grad():
+        row = {"fwd_ms": bench_ms(lambda: ours.linear_logp(hidden, weight, targets), warmup=warmup, rep=rep)}
+    h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    out = ours.linear_logp(h, w, targets)
+    ones = torch.ones_like(out)
+    row["bwd_ms"] = bench_ms(lambda: torch.autograd.grad(out, (h, w), ones, retain_graph=True), warmup=warmup, rep=rep)
+    row["fwd_bwd_ms"] = row["fwd_ms"] + row["bwd_ms"]
+    row["fwd_x_gemm"], row["fwd_bwd_x_gemm"] = row["fwd_ms"] / gemm_ms, row["fwd_bwd_ms"] / gemm_ms
+    row["bwd_extra_gb"] = peak_extra_bytes(lambda: torch.autograd.grad(out, (h, w), ones, retain_graph=True)) / GB
+    grads = torch.autograd.grad(out, (h, w), ones)
+    if reference is not None:
+        ref_out, ref_dh, ref_dw = reference
+        row["logp_bitwise_vs_shipped"] = torch.equal(out.detach(), ref_out)
+        row["dh_max_diff_vs_shipped"] = (grads[0].float() - ref_dh.float()).abs().max().item()
+        row["dw_max_diff_vs_shipped"] = (grads[1].float() - ref_dw.float()).abs().max().item()
+    # Batch invariance: tokens 300..304 alone give the bits they have in the full batch.
+    sub_h = hidden[:, 300:305].detach().requires_grad_()
+    sub_out = ours.linear_logp(sub_h, weight, targets[:, 300:305])
+    (sub_dh,) = torch.autograd.grad(sub_out, sub_h, torch.ones_like(sub_out))
+    row["invariant"] = torch.equal(sub_out, out.detach()[:, 300:305]) and torch.equal(sub_dh, grads[0][:, 300:305])
+    return row, (out.detach(), *grads)
+
+
+def _with_config(overrides: dict, fn, *args):
+    shipped = ours._GPU_CONFIGS["16bit"]
+    ours._GPU_CONFIGS["16bit"] = {**shipped, **overrides}
+    try:
+        return fn(*args)
+    finally:
+        ours._GPU_CONFIGS["16bit"] = shipped
+
+
+def _gemm_ms(tokens) -> float:
+    return gemm_ceiling(tokens, VOCAB, HIDDEN)["ms"]
 
 
 def tile_sweep(tokens, warmup, rep) -> list[dict]:
     hidden, weight, targets = make_inputs(tokens)
-    shipped = dict(ours._GPU_CONFIGS["16bit"])
-    results = []
-    try:
-        for tiles in TILE_SWEEP:
-            ours._GPU_CONFIGS["16bit"] = {**shipped, **tiles}
-
-            row = measure(f"tiles {tiles}", time_forward, hidden, weight, targets, warmup, rep)
-            results.append({**tiles, **row})
-    finally:
-        ours._GPU_CONFIGS["16bit"] = shipped
+    gemm_ms = _gemm_ms(tokens)
+    results, reference = [], None
+    for tiles in TILE_SWEEP:
+        def run(tiles=tiles):
+            nonlocal reference
+            row, grads = _with_config(tiles, time_forward_backward, hidden, weight, targets, gemm_ms, warmup, rep,
+                                      reference)
+            reference = reference or grads  # the first entry is the shipped tiles
+            return row
+        results.append({**tiles, **measure(f"tiles {tiles}", run)})
     return results
+
+
+def _label(overrides: dict) -> str:
+    parts = []
+    for key, value in overrides.items():
+        if isinstance(value, dict):
+            value = "x".join(str(value[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) + \
+                f"/w{value['num_warps']}s{value['num_stages']}"
+        parts.append(f"{key}={value}")
+    return ", ".join(parts) or "shipped"
+
+
+def bwd_kernel_sweep(tokens, warmup, rep) -> list[dict]:
+    """Each backward kernel alone on one vocabulary chunk, next to cuBLAS on the same GEMM shape."""
+    hidden, weight, targets = make_inputs(tokens)
+    rows2d, n = hidden.reshape(tokens, HIDDEN), tokens
+    cfg = ours.config(torch.bfloat16)
+    chunk = cfg["VOCAB_CHUNK"]
+    lse = torch.randn(n, device="cuda") + 12
+    grad_out = torch.ones(n, device="cuda")
+    targets1d = targets.reshape(-1).contiguous()
+    d = torch.randn(n, chunk, device="cuda").to(torch.bfloat16) * 1e-3
+    w_chunk = weight[chunk:2 * chunk]
+    flops = 2 * n * HIDDEN * chunk
+    results = []
+
+    def add(kernel, tiles, fn):
+        def run():
+            ms = bench_ms(fn, warmup=warmup, rep=rep)
+            return {"ms": ms, "tflop_per_s": flops / (ms * 1e-3) / 1e12}
+        results.append({"kernel": kernel, "tiles": tiles, **measure(f"{kernel} {tiles}", run)})
+
+    add("cublas d@W (dH shape)", "-", lambda: d @ w_chunk)
+    add("cublas d^T@h (dW shape)", "-", lambda: d.t() @ rows2d)
+    add("cublas h@W^T (recompute)", "-", lambda: rows2d @ w_chunk.t())
+    for tiles in TILE_SWEEP:
+        t = {**cfg, **tiles}
+        label = f"{t['BLOCK_T']}x{t['BLOCK_V']}x{t['BLOCK_H']}/w{t['num_warps']}s{t['num_stages']}"
+        add("dlogits recompute", label,
+            lambda t=t: ours._dlogits(rows2d, weight, None, targets1d, lse, grad_out, d, chunk, 2 * chunk, t))
+    grad_hidden = torch.zeros(n, HIDDEN, device="cuda")
+    w_out = torch.empty(chunk, HIDDEN, dtype=torch.bfloat16, device="cuda")
+    for bm, bn, bk, nw, ns in GEMM_SWEEP:
+        gemm = ours._gemm(bm, bn, bk, nw, ns)
+        label = f"{bm}x{bn}x{bk}/w{nw}s{ns}"
+        add("dH += d @ W[chunk]", label, lambda g=gemm: ours._matmul(d, w_chunk, grad_hidden, accumulate=True, gemm=g))
+        add("dW[chunk] = d^T @ h", label, lambda g=gemm: ours._matmul(d.t(), rows2d, w_out, gemm=g))
+    return results
+
+
+def bwd_sweep(tokens, warmup, rep) -> list[dict]:
+    hidden, weight, targets = make_inputs(tokens)
+    gemm_ms = _gemm_ms(tokens)
+    results, reference = [], None
+    for overrides in BWD_SWEEP:
+        def run(overrides=overrides):
+            nonlocal reference
+            row, grads = _with_config(overrides, time_forward_backward, hidden, weight, targets, gemm_ms, warmup,
+                                      rep, reference)
+            reference = reference or grads  # the first entry is the shipped config
+            return row
+        results.append({"config": _label(overrides), **measure(f"backward {_label(overrides)}", run)})
+    return results
+
+
+SWEEP_COLUMNS = ["fwd_ms", "bwd_ms", "fwd_x_gemm", "fwd_bwd_x_gemm", "bwd_extra_gb", "logp_bitwise_vs_shipped",
+                 "dh_max_diff_vs_shipped", "dw_max_diff_vs_shipped", "invariant", "error"]
+
+
+def print_sweeps(tiles, bwd_kernels, bwd_configs) -> None:
+    if tiles:
+        print_table(tiles, ["BLOCK_T", "BLOCK_V", "BLOCK_H", "num_warps", "num_stages", *SWEEP_COLUMNS])
+    if bwd_kernels:
+        print_table(bwd_kernels, ["kernel", "tiles", "ms", "tflop_per_s", "error"])
+    if bwd_configs:
+        print_table(bwd_configs, ["config", *SWEEP_COLUMNS])
+
+
+def sweeps(args) -> int:
+    warmup, rep = (5, 30) if args.quick else (10, 60)
+    print(environment())
+    tiles = tile_sweep(MAIN_TOKENS, warmup, rep) if args.tile_sweep else []
+    bwd_kernels = bwd_kernel_sweep(MAIN_TOKENS, warmup, rep) if args.bwd_sweep else []
+    bwd_configs = bwd_sweep(MAIN_TOKENS, warmup, rep) if args.bwd_sweep else []
+    print_sweeps(tiles, bwd_kernels, bwd_configs)
+    write_json(args.out, "linear_logp_sweeps", {
+        "hidden": HIDDEN, "vocab": VOCAB, "tokens": MAIN_TOKENS, "shipped_config": ours._GPU_CONFIGS,
+        "tile_sweep": tiles, "bwd_kernel_sweep": bwd_kernels, "bwd_sweep": bwd_configs,
+    })
+    return 0
 
 
 def main() -> int:
     parser = arg_parser(__doc__.splitlines()[0])
-    parser.add_argument("--tile-sweep", action="store_true", help="also time alternative forward tile configs")
+    parser.add_argument("--tile-sweep", action="store_true", help="also time alternative logits-tile configs")
+    parser.add_argument("--bwd-sweep", action="store_true", help="also time backward kernels and configs")
+    parser.add_argument("--sweeps-only", action="store_true", help="skip the comparison with the peers")
     args = parser.parse_args()
+    if args.sweeps_only:
+        return sweeps(args)
     token_sweep = [MAIN_TOKENS] if args.quick else [1024, 2048, MAIN_TOKENS, 8192]
     warmup, rep = (5, 30) if args.quick else (10, 60)
     print(environment())
@@ -154,12 +306,13 @@ def main() -> int:
     if "liger" not in impls:
         rows.append({"impl": "liger", "error": "unavailable"})
     tiles = tile_sweep(MAIN_TOKENS, warmup, rep) if args.tile_sweep else []
+    bwd_kernels = bwd_kernel_sweep(MAIN_TOKENS, warmup, rep) if args.bwd_sweep else []
+    bwd_configs = bwd_sweep(MAIN_TOKENS, warmup, rep) if args.bwd_sweep else []
 
     columns = ["impl", "tokens", "fwd_ms", "fwd_x_gemm", "fwd_tflop_per_s", "fwd_bwd_ms", "fwd_bwd_x_gemm",
                "fwd_extra_gb", "fwd_bwd_extra_gb", "fwd_bwd_work_gb", "max_abs_err", "error"]
     print_table(rows, columns)
-    if tiles:
-        print_table(tiles, ["BLOCK_T", "BLOCK_V", "BLOCK_H", "num_warps", "num_stages", "fwd_ms", "error"])
+    print_sweeps(tiles, bwd_kernels, bwd_configs)
     names = ["cublas_gemm", *impls]
 
     def series(key, impl_names):
@@ -173,6 +326,7 @@ def main() -> int:
         "ceilings": {"copy": copy, "gemm_8192": gemm, "gemm_at_shape": gemm_at},
         "flop_model": "fwd 2*N*H*V; fwd+bwd 6*N*H*V (ours executes 8*N*H*V: logits recomputed)",
         "shipped_config": ours._GPU_CONFIGS, "rows": rows, "tile_sweep": tiles,
+        "bwd_kernel_sweep": bwd_kernels, "bwd_sweep": bwd_configs,
     })
     save_plot(args.out, "linear_logp", [
         {"title": f"linear+logp forward, H={HIDDEN} V={VOCAB} bf16", "xlabel": "tokens",
