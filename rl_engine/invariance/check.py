@@ -29,7 +29,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--manifest", type=Path, help="workload manifest (default: the packaged one)")
     parser.add_argument("--no-gradients", action="store_true", help="skip the gradient invariance checks")
     parser.add_argument("--out", type=Path, help="write report.json here, and a |Δ| plot when failing")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="print the report as JSON (or write it to PATH and print the summary; a failing plot goes beside it)",
+    )
 
 
 def _device(name: str) -> torch.device:
@@ -165,18 +171,24 @@ def run(args) -> int:
         args.profile,
         device,
         gradients=not args.no_gradients,
-        progress=_progress(sys.stderr.isatty() or not args.json),
+        progress=_progress(sys.stderr.isatty() or args.json != "-"),
     )
     report["weights"] = weight_info
     report["layers"] = config.num_layers
     tokens = report.pop("_tokens", None)
+    stem = f"invariance_{args.profile}_{args.model}"
+    json_path = Path(args.json) if args.json not in (None, "-") else None
+    plot_dir = args.out or (json_path.parent if json_path else None)
+    if plot_dir is not None and not report["passed"] and tokens:
+        title = f"{args.profile} on {config.name}: |Δ| per token"
+        plot_name = f"{json_path.stem}.png" if json_path and args.out is None else f"{stem}.png"
+        report["plot"] = str(plot_abs_dlogp(tokens, plot_dir / plot_name, title))
+    text = json.dumps(report, indent=2)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = f"invariance_{args.profile}_{args.model}"
-        if not report["passed"] and tokens:
-            report["plot"] = str(
-                plot_abs_dlogp(tokens, args.out / f"{stem}.png", f"{args.profile} on {config.name}: |Δ| per token")
-            )
-        (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2) if args.json else _summary(report))
+        (args.out / f"{stem}.json").write_text(text)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(text)
+    print(text if args.json == "-" else _summary(report))
     return 0 if report["passed"] else 1

@@ -45,3 +45,12 @@ def test_failing_profile_exits_1_with_json_and_plot(tmp_path, capsys):
     assert set(report["parity"]["infer"]) == {"b1", "bn"}
     assert (tmp_path / "invariance_torch_bf16_tiny.png").stat().st_size > 0
     assert json.loads((tmp_path / "invariance_torch_bf16_tiny.json").read_text())["profile"] == "torch_bf16"
+
+
+def test_json_to_a_path_writes_report_and_plot_beside_it(tmp_path, capsys):
+    path = tmp_path / "evidence" / "inv.json"
+    code = main(["check-invariance", "--profile", "torch_bf16", "--layers", "1", "--no-gradients", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert code == 1 and out.startswith("check-invariance torch_bf16 on tiny[:1] (cpu): FAILED")
+    assert json.loads(path.read_text())["passed"] is False
+    assert (tmp_path / "evidence" / "inv.png").stat().st_size > 0

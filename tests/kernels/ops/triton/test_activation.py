@@ -99,8 +99,15 @@ def test_qwen3_8b_shape_on_gpu(name, dtype):
     inputs, dy = _inputs(names, (2, 2048, 12288), dtype, seed=4)
     got = _run(triton_op(), inputs, dy)
     want = _run(gold_op(), {k: v.float() for k, v in inputs.items()}, dy.float())
-    for g, w in zip(got, want):
-        _assert_close(g, w, dtype)
+    exact = _run(gold_op(), {k: v.double() for k, v in inputs.items()}, dy.double())
+    for g, w, e in zip(got, want, exact):
+        if dtype == torch.float32:
+            # The silu gradient cancels (sigma + x*sigma*(1-sigma)) where x << 0, so over 50M elements
+            # a few lose ~1e-4 relative in any fp32 formula: judge against float64, no worse than
+            # twice the fp32 gold's own error (seen on the H200: 1 element off by 1.1e-6 abs).
+            assert (g.double() - e).abs().max() <= 2 * (w.double() - e).abs().max() + 1e-6
+        else:
+            _assert_close(g, w, dtype)
     alone = _run(triton_op(), {k: v[1:2, 2047:] for k, v in inputs.items()}, dy[1:2, 2047:])
     assert all(torch.equal(whole[1, 2047], row[0, 0]) for whole, row in zip(got, alone))
     assert all(torch.equal(a, b) for a, b in zip(got, _run(triton_op(), inputs, dy)))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 
 import torch
 import triton
@@ -213,6 +214,24 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
         raise ValueError(f"a, b: expected one device, got {a.device} and {b.device}")
 
 
+_threads_with_context = threading.local()
+
+
+def _ensure_cuda_context(device: torch.device) -> None:
+    """Make the primary CUDA context current on this thread, once.
+
+    Host TMA descriptors are encoded through the driver API on the calling thread; autograd's
+    backward thread may have no current context yet (seen on the H200: "Failed to create tensor
+    map descriptor: invalid device context"). Any runtime-API call binds the primary context.
+    """
+    ready = getattr(_threads_with_context, "devices", None)
+    if ready is None:
+        ready = _threads_with_context.devices = set()
+    if device.index not in ready:
+        torch.cuda.synchronize(device)
+        ready.add(device.index)
+
+
 def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig | None = None) -> torch.Tensor:
     """c = a @ b in a's dtype, fp32 accumulation; row i of c depends only on a[i] and b.
 
@@ -245,6 +264,7 @@ def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig
     if b_stored is not None and _tma_compatible(b_stored[0]):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
+        _ensure_cuda_context(a.device)
         a_stored = _stored_row_major(a)
         if a_stored is None or not _tma_compatible(a_stored[0]):
             # An activation is cheap to copy, and which kernel runs must not depend on where it lives.

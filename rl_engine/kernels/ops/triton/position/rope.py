@@ -74,7 +74,9 @@ def launch_config(n_heads: int, head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_HEADS, BLOCK_HALF, num_warps): fixed per (heads, D), never per number of tokens."""
     block_heads, block_half = triton.next_power_of_2(n_heads), triton.next_power_of_2(head_dim // 2)
     tile = block_heads * block_half
-    return block_heads, block_half, 8 if tile >= 2048 else 4 if tile >= 512 else 1
+    # H200, [32768 tokens, 32, 128] bf16 forward: 2 warps 87.7% of copy bandwidth, 4: 83.3%, 8: 63.8%
+    # (benchmarks/results/rope.json, 2026-11-29). Small tiles with many programs in flight win here.
+    return block_heads, block_half, 2 if tile >= 512 else 1
 
 
 def rope_apply(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *, transpose: bool = False,
