@@ -61,6 +61,11 @@ PY
     tp)
       stage tp-nccl-1 300 python3 scripts/check_tp_invariance.py --backend nccl --device cuda --world-sizes 1 \
         --preset large --json "$R/evidence/tp_invariance_nccl_1gpu.json" ;;
+    tp-multi)  # needs a machine with several GPUs: TP = 1, 2 (and 4 where there are 4)
+      local n; n=$(python3 -c "import torch; print(torch.cuda.device_count())")
+      local sizes=1,2; [ "$n" -ge 4 ] && sizes=1,2,4
+      stage "tp-nccl-$n-gpus" 400 python3 scripts/check_tp_invariance.py --backend nccl --device cuda \
+        --world-sizes "$sizes" --preset large --json "$R/evidence/tp_invariance_nccl_${n}gpu.json" ;;
     invariance)
       for p in torch_bf16 triton_bf16; do
         stage "invariance-$p" 400 python3 scripts/check_forward_invariance.py --profile "$p" --model qwen3-8b \
