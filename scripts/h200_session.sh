@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One batched H200 session: GPU tests, harness reports at Qwen3-8B shapes, benchmarks.
 # Usage (on the device machine, repo root): bash scripts/h200_session.sh STAGE...
-# Stages: env gpu-tests pytest:FILE[,FILE] check-ops bench-<name> (benchmarks/<name>.py) mhc tp invariance all.
+# Stages: env gpu-tests pytest:FILE[,FILE] check-ops bench-<name> (benchmarks/<name>.py) bench-mhc-quick mhc tp
+# tp-multi invariance-<profile>.
 # Everything lands in $OUT/results.tgz (the device tool returns few, shallow files) plus a summary.
 set -u
 OUT=${OUT:-/tmp/h200_out}
@@ -22,6 +23,7 @@ stage() {  # stage NAME TIMEOUT_S CMD...: run, log, record rc; never stop the se
   local rc=$?
   printf '%-34s rc=%-3s %4ss\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$SUMMARY"
   tail -n 4 "$R/$name.log" | sed 's/^/    /' >> "$SUMMARY"
+  tar czf "$OUT/results.tgz" -C "$R" .  # after every stage: a call cut short still returns what ran
 }
 
 OPS="logp linear_logp rms_norm silu swiglu rope embedding matmul lm_head attention kv_cache_attention"
@@ -66,15 +68,15 @@ PY
       local sizes=1,2; [ "$n" -ge 4 ] && sizes=1,2,4
       stage "tp-nccl-$n-gpus" 400 python3 scripts/check_tp_invariance.py --backend nccl --device cuda \
         --world-sizes "$sizes" --preset large --json "$R/evidence/tp_invariance_nccl_${n}gpu.json" ;;
-    invariance)
-      for p in torch_bf16 triton_bf16; do
-        stage "invariance-$p" 400 python3 scripts/check_forward_invariance.py --profile "$p" --model qwen3-8b \
-          --device cuda --json "$R/evidence/invariance_qwen3-8b_$p.json"
-      done ;;
+    invariance-*)  # invariance-triton_bf16, invariance-torch_bf16: the qwen3-8b config, synthetic weights
+      local p=${1#invariance-}
+      stage "$1" 240 python3 scripts/check_forward_invariance.py --profile "$p" --model qwen3-8b \
+        --device cuda --json "$R/evidence/invariance_qwen3-8b_$p.json" ;;
+    bench-mhc-quick)
+      stage "$1" 240 python3 benchmarks/mhc.py --out "$R/bench" --quick ;;
     *) echo "unknown stage $1" | tee -a "$SUMMARY" ;;
   esac
 }
 
 for s in "$@"; do run_stage "$s"; done
-tar czf "$OUT/results.tgz" -C "$R" .
 cat "$SUMMARY"

@@ -238,7 +238,8 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.shape != b.shape:
         return math.inf
-    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+    # Results may come from different devices (CUDA ranks vs the CPU oracle): compare on the CPU.
+    return float((a.detach().cpu().double() - b.detach().cpu().double()).abs().max()) if a.numel() else 0.0
 
 
 def compare_runs(runs: dict) -> dict:
