@@ -15,18 +15,27 @@ import torch
 
 @contextlib.contextmanager
 def tf32_off():
-    """Disable TF32 (cuBLAS and cuDNN) for the duration; restore the caller's settings after."""
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    precision = torch.get_float32_matmul_precision()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
+    """Disable TF32 for fp32 matmuls and convolutions for the duration; restore the caller's after.
+
+    torch >= 2.9 has per-backend `fp32_precision`; reading the legacy `allow_tf32` flags after
+    anyone used the new API raises, so the new API is used wherever it exists.
+    """
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn
+    if hasattr(matmul, "fp32_precision"):
+        conv = torch.backends.cudnn.conv
+        saved = (matmul.fp32_precision, conv.fp32_precision)
+        matmul.fp32_precision, conv.fp32_precision = "ieee", "ieee"
+        try:
+            yield
+        finally:
+            matmul.fp32_precision, conv.fp32_precision = saved
+        return
+    saved = (matmul.allow_tf32, conv.allow_tf32)
+    matmul.allow_tf32 = conv.allow_tf32 = False
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = matmul
-        torch.backends.cudnn.allow_tf32 = cudnn
-        torch.set_float32_matmul_precision(precision)
+        matmul.allow_tf32, conv.allow_tf32 = saved
 
 
 def expect_shape(name: str, tensor: torch.Tensor, expected: tuple, meaning: str) -> None:

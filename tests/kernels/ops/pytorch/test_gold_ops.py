@@ -203,21 +203,24 @@ def test_reference_is_fp32_and_baseline_keeps_dtype():
 
 
 def test_reference_turns_tf32_off_and_restores():
+    from rl_engine.kernels.registry import tf32_enabled
+
     seen = {}
 
     class Probe(NativeMatmulOp):
         def forward(self, **inputs):
-            seen["tf32"] = torch.backends.cuda.matmul.allow_tf32
+            seen["tf32"] = tf32_enabled()
             return super().forward(**inputs)
 
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
     try:
         Probe()(a=rand(1, 1, 2), b=rand(2, 2))
         assert seen["tf32"] is False
-        assert torch.backends.cuda.matmul.allow_tf32 is True
+        assert matmul.fp32_precision == "tf32"
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
+        matmul.fp32_precision = before
 
 
 # ---- invalid inputs: ValueError naming the input and the expected shape ----

@@ -111,6 +111,14 @@ def test_dweight_over_several_row_chunks_matches_fp64():
     torch.testing.assert_close(dweight.double(), (dy2 * x_hat).sum(0), rtol=1e-5, atol=1e-5)
 
 
+def test_no_grad_path_equals_autograd_path_bitwise():
+    x, weight, dy = _inputs((2, 9, 24), torch.bfloat16, seed=6)
+    y, _, _ = _run(TritonRmsNormOp(), x, weight, dy)
+    with torch.no_grad():
+        assert torch.equal(TritonRmsNormOp()(x=x, weight=weight), y)
+    assert torch.equal(TritonRmsNormOp()(x=x, weight=weight), y)  # no input requires grad
+
+
 def test_bad_inputs_raise_value_error_naming_the_input():
     with pytest.raises(ValueError, match="weight"):
         TritonRmsNormOp()(x=torch.zeros(1, 2, 8), weight=torch.zeros(7))

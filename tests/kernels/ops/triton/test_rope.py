@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from rl_engine.kernels.ops.pytorch.position.rope import NativeRopeOp, rope_cos_sin
-from rl_engine.kernels.ops.triton.position.rope import TritonRopeOp, rope_inv_freq
+from rl_engine.kernels.ops.triton.position import rope as triton_rope
+from rl_engine.kernels.ops.triton.position.rope import TritonRopeOp, cached_inv_freq, rope_inv_freq
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32: cos/sin of large angles may differ by an ulp between libraries (numpy under the interpreter
@@ -45,6 +46,47 @@ def test_inv_freq_table_is_the_golds():
     positions = torch.ones(1, 1, dtype=torch.int64)
     cos, sin = rope_cos_sin(positions, 16, 1e6)
     assert torch.equal(torch.cos(rope_inv_freq(16, 1e6, "cpu")), cos[0, 0, :8])
+
+
+def test_cached_inv_freq_is_built_once_per_key_and_equals_the_fresh_table(monkeypatch):
+    built = []
+    monkeypatch.setattr(triton_rope, "_inv_freq_tables", {})
+    monkeypatch.setattr(triton_rope, "rope_inv_freq", lambda *a: built.append(a) or rope_inv_freq(*a))
+    cpu = torch.device("cpu")
+    first = cached_inv_freq(16, 1e6, cpu)
+    assert cached_inv_freq(16, 1e6, cpu) is first and len(built) == 1
+    assert torch.equal(first, rope_inv_freq(16, 1e6, cpu))
+    # Another theta or head dim is another table (a cache keyed on D alone would return `first`).
+    assert not torch.equal(cached_inv_freq(16, 1e4, cpu), first) and len(built) == 2
+    assert cached_inv_freq(8, 1e6, cpu).shape == (4,) and len(built) == 3
+
+
+def test_one_kernel_launch_forward_one_backward_no_table_rebuild(monkeypatch):
+    x, positions, dy = _inputs((1, 3, 2, 8), torch.float32)
+    TritonRopeOp()(x=x, positions=positions)  # warm the table cache
+    launches, tables = [], []
+    apply, build = triton_rope.rope_apply, triton_rope.rope_inv_freq
+    monkeypatch.setattr(triton_rope, "rope_apply", lambda *a, **k: launches.append(k) or apply(*a, **k))
+    monkeypatch.setattr(triton_rope, "rope_inv_freq", lambda *a: tables.append(a) or build(*a))
+    y, dx = _run(TritonRopeOp(), x, positions, dy)
+    assert [k.get("transpose", False) for k in launches] == [False, True] and tables == []
+
+
+def test_no_grad_path_equals_autograd_path_bitwise():
+    x, positions, dy = _inputs((2, 3, 2, 8), torch.bfloat16, first_position=9)
+    y, _ = _run(TritonRopeOp(), x, positions, dy)
+    with torch.no_grad():
+        assert torch.equal(TritonRopeOp()(x=x, positions=positions), y)
+    assert torch.equal(TritonRopeOp()(x=x, positions=positions), y)  # x without requires_grad
+
+
+def test_non_contiguous_input_is_rotated_and_gets_its_gradient():
+    x, positions, dy = _inputs((2, 3, 4, 8), torch.float32, first_position=2)
+    strided = x.transpose(0, 1).contiguous().transpose(0, 1)  # same values, not contiguous
+    assert not strided.is_contiguous()
+    y, dx = _run(TritonRopeOp(), strided, positions, dy)
+    y_ref, dx_ref = _run(TritonRopeOp(), x, positions, dy)
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

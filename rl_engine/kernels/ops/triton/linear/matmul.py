@@ -28,6 +28,8 @@ import threading
 import torch
 import triton
 import triton.language as tl
+from triton._utils import validate_block_shape
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rl_engine.kernels.ops.pytorch.linear.matmul import NativeMatmulOp
 from rl_engine.kernels.ops.triton.runtime import dot_fp32, interpreting
@@ -180,26 +182,36 @@ def _matmul_tma_kernel(
         c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
 
 
-def _stored_row_major(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
-    """(s, transposed) with s row-major (unit column stride) and t == (s.t() if transposed else s).
+def _row_major_layout(t: torch.Tensor) -> tuple[list[int], list[int], bool] | None:
+    """(shape, strides, transposed): t read as a row-major tensor s with t == (s.t() if transposed else s).
 
+    s has the same data pointer as t, so a TMA descriptor built from (t, shape, strides) reads s.
     Size-1 dimensions get their canonical stride so that M = 1 views land on the same path as any
     other M. None when t is neither row- nor column-major, or its rows overlap (broadcast): the
     caller then copies it or uses the pointer kernel.
     """
     rows, cols = t.shape
+    row_stride, col_stride = t.stride()
     # Unit stride along one dimension and rows that do not overlap (no broadcast stride 0).
-    if (t.stride(1) == 1 or cols == 1) and (rows == 1 or t.stride(0) >= cols):
-        return t.as_strided((rows, cols), (t.stride(0) if rows > 1 else cols, 1)), False
-    if (t.stride(0) == 1 or rows == 1) and (cols == 1 or t.stride(1) >= rows):
-        return t.as_strided((cols, rows), (t.stride(1) if cols > 1 else rows, 1)), True
+    if (col_stride == 1 or cols == 1) and (rows == 1 or row_stride >= cols):
+        return [rows, cols], [row_stride if rows > 1 else cols, 1], False
+    if (row_stride == 1 or rows == 1) and (cols == 1 or col_stride >= rows):
+        return [cols, rows], [col_stride if cols > 1 else rows, 1], True
     return None
 
 
-def _tma_compatible(s: torch.Tensor) -> bool:
+def _tma_compatible(t: torch.Tensor, strides: list[int]) -> bool:
     """TMA wants a 16-byte aligned base and 16-byte aligned row stride."""
-    size = s.element_size()
-    return s.data_ptr() % 16 == 0 and (s.stride(0) * size) % 16 == 0
+    return t.data_ptr() % 16 == 0 and (strides[0] * t.element_size()) % 16 == 0
+
+
+def _descriptor(base: torch.Tensor, shape: list[int], strides: list[int], block_shape: list[int]):
+    """A host TensorDescriptor without its per-call checks, which are all made elsewhere: alignment
+    by _tma_compatible, unit last stride by _row_major_layout, positive sizes by the caller, the
+    block shape once per plan. The checks cost more than the rest of the descriptor."""
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = base, shape, strides, block_shape, "zero"
+    return desc
 
 
 def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -217,7 +229,7 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
 _threads_with_context = threading.local()
 
 
-def _ensure_cuda_context(device: torch.device) -> None:
+def _ensure_cuda_context(device_index: int) -> None:
     """Make the primary CUDA context current on this thread, once.
 
     Host TMA descriptors are encoded through the driver API on the calling thread; autograd's
@@ -227,9 +239,101 @@ def _ensure_cuda_context(device: torch.device) -> None:
     ready = getattr(_threads_with_context, "devices", None)
     if ready is None:
         ready = _threads_with_context.devices = set()
-    if device.index not in ready:
-        torch.cuda.synchronize(device)
-        ready.add(device.index)
+    if device_index not in ready:
+        torch.cuda.synchronize(device_index)
+        ready.add(device_index)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """Everything a launch needs that depends only on (dtype, N, K, device, config): built once.
+
+    Per call only the operands' layouts, M and the grid size remain to be worked out, so the
+    host path stays short: at decode sizes it, not the GPU, bounds the time of a call.
+    """
+
+    config: MatmulConfig
+    interpreting: bool
+    num_programs: int
+    tma: bool  # the config asks for TMA and rows of K and N elements are 16-byte aligned
+    round_on_host: bool
+    constexprs: tuple  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, DOT_FP32, INPUT_PRECISION
+    a_block: dict[bool, list[int]]  # TMA block shape of the stored a, by A_TRANS
+    b_block: dict[bool, list[int]]  # ... of the stored b, by B_TRANS
+    c_block: list[int]
+    # Compiled TMA kernels by (current device, A_TRANS, B_TRANS), launched without Triton's
+    # argument binding. Their specialisation is fixed by this plan: descriptors specialise on
+    # dtype and block shape only, N and K are the plan's, and M is never specialised.
+    tma_kernels: dict = dataclasses.field(default_factory=dict)
+
+
+_plans: dict[tuple, _Plan] = {}
+
+
+def _make_plan(dtype: torch.dtype, n: int, k: int, device_index: int, config: MatmulConfig | None) -> _Plan:
+    cfg = config or matmul_config(dtype, n, k)
+    interp = interpreting()
+    upcast = dot_fp32(dtype)
+    size = dtype.itemsize
+    if cfg.tma:
+        for block in ([cfg.block_m, cfg.block_k], [cfg.block_k, cfg.block_n], [cfg.block_m, cfg.block_n]):
+            validate_block_shape(block)  # what TensorDescriptor checks, once instead of per call
+    programs = INTERPRETER_PROGRAMS if interp else _num_programs(device_index)
+    precision = "ieee" if (dtype == torch.float32 or upcast) else "tf32"
+    return _Plan(
+        config=cfg,
+        interpreting=interp,
+        num_programs=programs,
+        tma=cfg.tma and (k * size) % 16 == 0 and (n * size) % 16 == 0,
+        # The interpreter casts fp32 -> bf16 by truncation; the GPU rounds to nearest even. Under the
+        # interpreter the kernel stores fp32 and torch rounds, so both paths round the same way.
+        round_on_host=interp and dtype == torch.bfloat16,
+        constexprs=(cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, programs, upcast, precision),
+        a_block={False: [cfg.block_m, cfg.block_k], True: [cfg.block_k, cfg.block_m]},
+        b_block={False: [cfg.block_k, cfg.block_n], True: [cfg.block_n, cfg.block_k]},
+        c_block=[cfg.block_m, cfg.block_n],
+    )
+
+
+def _plan(dtype: torch.dtype, n: int, k: int, device_index: int, config: MatmulConfig | None) -> _Plan:
+    key = (dtype, n, k, device_index, config)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _make_plan(*key)
+    return plan
+
+
+@functools.cache
+def _current_stream():
+    """Triton's own getter of the current raw CUDA stream (the one its launches use)."""
+    return triton.runtime.driver.active.get_current_stream
+
+
+def _launch_hooks_set() -> bool:
+    """Whether a profiler (proton, ...) hooks Triton launches: then every launch goes through Triton."""
+    hooks = (triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook)
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+def _launch_tma(plan: _Plan, grid: int, descriptors: tuple, m: int, n: int, k: int, a_trans: bool, b_trans: bool):
+    cfg = plan.config
+    # Every kernel parameter, positionally and in order, constexprs included (the launcher skips them).
+    args = (*descriptors, m, n, k, a_trans, b_trans, *plan.constexprs)
+    if plan.interpreting:
+        _matmul_tma_kernel[(grid,)](*args, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return
+    device = torch.cuda.current_device()
+    _ensure_cuda_context(device)
+    key = (device, a_trans, b_trans)
+    kernel = plan.tma_kernels.get(key)
+    if kernel is None or _launch_hooks_set():
+        # First call for this plan (compiles or loads from Triton's cache), or a profiler is listening.
+        plan.tma_kernels[key] = _matmul_tma_kernel[(grid,)](*args, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return
+    # The same compiled kernel Triton's launch would pick, launched directly: skips binding and
+    # specialising 15 arguments and building the cache key on every call (the TMA descriptors are
+    # still encoded per call, by the launcher).
+    kernel.run(grid, 1, 1, _current_stream()(device), kernel.function, kernel.packed_metadata, None, None, None, *args)
 
 
 def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig | None = None) -> torch.Tensor:
@@ -242,49 +346,34 @@ def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig
     (m, k), n = a.shape, b.shape[1]
     if m == 0 or n == 0 or k == 0:
         return torch.zeros((m, n), dtype=a.dtype, device=a.device)
-    # The interpreter casts fp32 -> bf16 by truncation; the GPU rounds to nearest even. Under the
-    # interpreter the kernel stores fp32 and torch rounds, so both paths round the same way.
-    round_on_host = interpreting() and a.dtype == torch.bfloat16
-    c = torch.empty((m, n), dtype=torch.float32 if round_on_host else a.dtype, device=a.device)
-    cfg = config or matmul_config(a.dtype, n, k)
-    num_programs = INTERPRETER_PROGRAMS if interpreting() else _num_programs(a.device.index or 0)
+    plan = _plan(a.dtype, n, k, a.get_device(), config)
+    cfg = plan.config
+    c = a.new_empty((m, n), dtype=torch.float32 if plan.round_on_host else a.dtype)
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)  # host ceil-div (triton.cdiv is a slow jit call here)
-    grid = (min(num_programs, tiles),)
-    upcast = dot_fp32(a.dtype)
-    precision = "ieee" if (a.dtype == torch.float32 or upcast) else "tf32"
-    common = dict(
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        NUM_PROGRAMS=num_programs, DOT_FP32=upcast, INPUT_PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    grid = min(plan.num_programs, tiles)
 
-    # TMA needs 16-byte aligned rows; K and N decide, and b's layout (a weight's: fixed).
-    aligned = (k * a.element_size()) % 16 == 0 and (n * a.element_size()) % 16 == 0
-    b_stored = _stored_row_major(b) if cfg.tma and aligned else None
-    if b_stored is not None and _tma_compatible(b_stored[0]):
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        _ensure_cuda_context(a.device)
-        a_stored = _stored_row_major(a)
-        if a_stored is None or not _tma_compatible(a_stored[0]):
+    # Which kernel runs is decided by the plan and b's layout (a weight's: fixed), never by M.
+    b_layout = _row_major_layout(b) if plan.tma else None
+    if b_layout is not None and _tma_compatible(b, b_layout[1]):
+        a_layout = _row_major_layout(a)
+        if a_layout is None or not _tma_compatible(a, a_layout[1]):
             # An activation is cheap to copy, and which kernel runs must not depend on where it lives.
-            a_stored = (torch.empty((m, k), dtype=a.dtype, device=a.device).copy_(a), False)
-        (sa, a_trans), (sb, b_trans) = a_stored, b_stored
-        a_block = [cfg.block_k, cfg.block_m] if a_trans else [cfg.block_m, cfg.block_k]
-        b_block = [cfg.block_n, cfg.block_k] if b_trans else [cfg.block_k, cfg.block_n]
-        _matmul_tma_kernel[grid](
-            TensorDescriptor.from_tensor(sa, a_block),
-            TensorDescriptor.from_tensor(sb, b_block),
-            TensorDescriptor.from_tensor(c, [cfg.block_m, cfg.block_n]),
-            m, n, k, A_TRANS=a_trans, B_TRANS=b_trans, **common,
-        )  # fmt: skip
+            a = a.new_empty((m, k)).copy_(a)
+            a_layout = [m, k], [k, 1], False
+        (a_shape, a_strides, a_trans), (b_shape, b_strides, b_trans) = a_layout, b_layout
+        descriptors = (
+            _descriptor(a, a_shape, a_strides, plan.a_block[a_trans]),
+            _descriptor(b, b_shape, b_strides, plan.b_block[b_trans]),
+            _descriptor(c, [m, n], [n, 1], plan.c_block),
+        )
+        _launch_tma(plan, grid, descriptors, m, n, k, a_trans, b_trans)
     else:
-        _matmul_pointer_kernel[grid](
+        _matmul_pointer_kernel[(grid,)](
             a, b, c, m, n, k,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-            **common,
+            *plan.constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-    return c.to(a.dtype) if round_on_host else c
+    return c.to(a.dtype) if plan.round_on_host else c
 
 
 # Registered as a torch custom op so torch.compile traces models that use it without a graph break.

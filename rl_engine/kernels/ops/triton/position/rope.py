@@ -6,8 +6,10 @@ Backward is the transpose rotation (the same kernel with s negated):
 dx1 = g1·c + g2·s,  dx2 = g2·c - g1·s.
 
 Matching the gold bit for bit where the hardware allows:
-- inv_freq is computed on the host by the gold's own expression, on x's device, and handed to the
-  kernel as an fp32 table, so the kernel multiplies exactly the gold's fp32 factors;
+- inv_freq is computed by the gold's own expression, on x's device, and handed to the kernel as an
+  fp32 table, so the kernel multiplies exactly the gold's fp32 factors; the table is built once per
+  (device, D, theta) and cached (building it is five small torch kernels: on the H200 that host
+  work cost more than the rotation itself, benchmarks/results/rope.json);
 - on the GPU cos and sin are libdevice's correctly range-reduced `cosf`/`sinf` (what torch's CUDA
   `cos`/`sin` call), not the approximate hardware instructions that lose accuracy on large angles;
   under the CPU interpreter they are numpy's (torch CPU uses its own vectorised routines, so the
@@ -20,9 +22,15 @@ bf16: 3 of 524,288 outputs differ from the fp32 gold rounded to bf16. On the H20
 tests/kernels/ops/triton/test_rope.py prints the same two figures.
 All math in fp32, one cast to x's dtype. One program per token (all heads of that token): a token's
 bits never depend on the batch or the grid.
+Per-call host work is kept small (it is what the op costs at small shapes): contiguous inputs are not
+copied, the launch configuration is cached per (heads, D), and without autograd (no_grad, or no input
+needing a gradient) the kernel is launched directly, without the autograd.Function. The backward is
+exactly one kernel launch.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -70,6 +78,22 @@ def rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
     return 1.0 / (theta ** exponents)
 
 
+_inv_freq_tables: dict[tuple, torch.Tensor] = {}
+
+
+def cached_inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """rope_inv_freq, built once per (device, D, theta); callers must not modify it."""
+    key = (device, head_dim, theta)
+    table = _inv_freq_tables.get(key)
+    if table is None:
+        table = rope_inv_freq(head_dim, theta, device)
+        # A table built inside a CUDA graph capture holds its values only once the graph replays.
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _inv_freq_tables[key] = table
+    return table
+
+
+@functools.lru_cache(maxsize=None)
 def launch_config(n_heads: int, head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_HEADS, BLOCK_HALF, num_warps): fixed per (heads, D), never per number of tokens."""
     block_heads, block_half = triton.next_power_of_2(n_heads), triton.next_power_of_2(head_dim // 2)
@@ -98,11 +122,9 @@ def rope_apply(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
 
 class _RopeFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-        positions = positions.contiguous()
-        inv_freq = rope_inv_freq(x.shape[-1], theta, x.device)
+    def forward(ctx, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(positions, inv_freq)
-        return rope_apply(x.contiguous(), positions, inv_freq)
+        return rope_apply(x, positions, inv_freq)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -119,7 +141,11 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 1e6) -> torch.
         )
     if positions.is_floating_point():
         raise ValueError(f"positions: expected integer positions, got dtype {positions.dtype}")
-    return _RopeFunction.apply(x, positions, theta)
+    x, positions = x.contiguous(), positions.contiguous()  # no copy when already contiguous
+    inv_freq = cached_inv_freq(x.shape[-1], theta, x.device)
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return rope_apply(x, positions, inv_freq)
+    return _RopeFunction.apply(x, positions, inv_freq)
 
 
 class TritonRopeOp:
