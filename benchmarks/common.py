@@ -13,6 +13,8 @@ writes `DIR/<name>.json` plus `DIR/<name>.png`. Scripts import this module as `f
     extra = peak_extra_bytes(fn)             # peak bytes allocated by fn() above what was live before
     row = measure("label", run, *args)      # row = run(*args); on error -> {"error": "..."}, printed
     t = time_mode("backward", fn, inputs, [0])  # {"ms", "peak_extra_bytes"}; modes: common.MODES
+    g = time_mode_graphed("forward", fn, inputs, [0])  # {"ms"}: GPU time only (CUDA graph replay)
+    rows = host_overhead(impls, inputs, [0], {mode: sweep_row})  # as called vs CUDA graph, per impl
     liger = optional_import("liger_kernel.transformers")   # None when absent (record "unavailable")
     write_json(args.out, "name", payload)    # payload + env, indent 2
     save_plot(args.out, "name", panels)      # panels: [{"title","xlabel","ylabel","x","series",...}]
@@ -138,30 +140,73 @@ def measure(label: str, run: Callable[..., dict], *args, **kwargs) -> dict:
 MODES = ("forward", "backward", "forward+backward")
 
 
+def _mode_runner(mode: str, fn: Callable[..., torch.Tensor], inputs: list, differentiable: list[int]):
+    """The zero-argument callable that time_mode times for `mode` (see time_mode)."""
+    if mode == "forward":
+        def run():
+            with torch.no_grad():
+                return fn(*inputs)
+        return run
+    leaves = [x.detach().requires_grad_() if i in differentiable else x for i, x in enumerate(inputs)]
+    wrt = [leaves[i] for i in differentiable]
+    out = fn(*leaves)
+    grad = torch.randn_like(out)
+    if mode == "backward":
+        def run():
+            return torch.autograd.grad(out, wrt, grad, retain_graph=True)
+    else:
+        def run():
+            return torch.autograd.grad(fn(*leaves), wrt, grad)
+    return run
+
+
 def time_mode(mode: str, fn: Callable[..., torch.Tensor], inputs: list, differentiable: list[int]) -> dict:
     """{"ms", "peak_extra_bytes"} of one mode of fn(*inputs) (memory-bound ops: norms, activations, ...).
 
     forward: fn(*inputs) under no_grad; backward: torch.autograd.grad through a graph built once and
     retained (the backward alone); forward+backward: both. `differentiable` lists the indices of the
     inputs that get gradients; the output gradient is random with the output's shape and dtype.
+    The time is wall time per call with L2 flushed before each call: the GPU idles while the host
+    prepares the call, so host work beyond the flush's ~0.07 ms (Python, autograd) is included.
     """
-    if mode == "forward":
-        def run():
-            with torch.no_grad():
-                return fn(*inputs)
-    else:
-        leaves = [x.detach().requires_grad_() if i in differentiable else x for i, x in enumerate(inputs)]
-        wrt = [leaves[i] for i in differentiable]
-        out = fn(*leaves)
-        grad = torch.randn_like(out)
-        if mode == "backward":
-            def run():
-                return torch.autograd.grad(out, wrt, grad, retain_graph=True)
-        else:
-            def run():
-                return torch.autograd.grad(fn(*leaves), wrt, grad)
+    run = _mode_runner(mode, fn, inputs, differentiable)
     ms = bench_ms(run)
     return {"ms": ms, "peak_extra_bytes": peak_extra_bytes(run)}
+
+
+def time_mode_graphed(mode: str, fn: Callable[..., torch.Tensor], inputs: list, differentiable: list[int]) -> dict:
+    """{"ms"}: GPU time of one mode of fn(*inputs), host work removed (calls replayed from a CUDA graph).
+
+    For "forward" and "forward+backward" (the backward alone reuses a graph built outside the capture).
+    Set against time_mode's figure, the difference is the host cost per call (Python, autograd
+    engine, launches) that the GPU waits for when nothing else is queued. No L2 flush between calls.
+    """
+    from triton.testing import do_bench_cudagraph
+
+    if mode == "backward":
+        raise ValueError("mode: expected 'forward' or 'forward+backward' for a CUDA graph timing")
+    run = _mode_runner(mode, fn, inputs, differentiable)
+    return {"ms": float(do_bench_cudagraph(run, rep=20, return_mode="median"))}
+
+
+def host_overhead(impls: dict, inputs: list, differentiable: list[int], called: dict[str, dict]) -> list[dict]:
+    """Per implementation and mode (forward, forward+backward): the as-called ms (called[mode] is a
+    sweep row holding "<impl>_ms", measured by time_mode on the same shape), the GPU-only ms
+    (time_mode_graphed) and their difference, host_ms. Prints progress; errors are recorded."""
+    rows = []
+    for mode in ("forward", "forward+backward"):
+        for name, fn in impls.items():
+            graphed = measure(f"CUDA graph {mode} {name}", time_mode_graphed, mode, fn,
+                              [t.clone() for t in inputs], differentiable)
+            row = {"impl": name, "mode": mode, "called_ms": called.get(mode, {}).get(f"{name}_ms"),
+                   "graph_ms": graphed.get("ms"), "error": graphed.get("error")}
+            if row["called_ms"] and row["graph_ms"]:
+                row["host_ms"] = row["called_ms"] - row["graph_ms"]
+            rows.append(row)
+    return rows
+
+
+HOST_OVERHEAD_COLUMNS = ["impl", "mode", "called_ms", "graph_ms", "host_ms", "error"]
 
 
 def write_json(out_dir: str, name: str, payload: dict) -> str:

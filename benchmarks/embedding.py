@@ -12,7 +12,9 @@ Modes: forward; backward alone (through a retained graph); forward+backward.
 Bytes: forward reads and writes tokens x hidden; backward reads dy (tokens x hidden) and writes
 the dense [V, H] weight gradient (1.24 GB, which dominates). Ids uniform over the vocabulary, plus
 a skewed case at the main shape: half of the tokens are one id (a padding id, say), which puts a
-long run on a single program of our backward.
+long run of one id (our backward splits it into segments of embedding.SEGMENT rows). At the main
+shape, each implementation's GPU time from CUDA graph replay next to its as-called time (their
+difference is the host cost per call: Python, autograd, sort and launches).
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from __future__ import annotations
 import torch
 from common import (
     GB,
+    HOST_OVERHEAD_COLUMNS,
     MODES,
     arg_parser,
     copy_ceiling,
+    host_overhead,
     measure,
     optional_import,
     print_table,
@@ -106,12 +110,13 @@ def main() -> int:
     print_table(rows, ["tokens", "ids", "mode", "triton_ms", "triton_gb_per_s", "triton_pct_copy", "triton_peak_mb"]
                 + [c for n in names[1:] for c in (f"{n}_ms", f"{n}_pct_copy", f"ratio_vs_{n}")])
 
-    write_json(args.out, "embedding", {
+    payload = {
         "shape": {"vocab": VOCAB, "hidden": HIDDEN, "tokens": token_counts, "dtype": str(DTYPE)},
         "liger": "available" if "liger" in impls else "unavailable",
         "ceilings": {"copy": copy},
         "rows": rows,
-    })
+    }
+    write_json(args.out, "embedding", payload)  # written again below; kept if the CUDA graph part fails
     panels = []
     for mode in MODES:
         mode_rows = sorted((r for r in rows if r["mode"] == mode and r["ids"] == "uniform"), key=lambda r: r["tokens"])
@@ -122,6 +127,13 @@ def main() -> int:
             "hline": (copy_gbps, "copy"),
         })
     save_plot(args.out, "embedding", panels)
+
+    called = {r["mode"]: r for r in rows if r["tokens"] == MAIN_TOKENS and r["ids"] == "uniform"}
+    overhead = host_overhead(impls, make_inputs(MAIN_TOKENS), [1], called)
+    print(f"\nhost cost per call at {MAIN_TOKENS} tokens, uniform ids: as called (L2 flushed, GPU waits for "
+          "the host) vs GPU only (CUDA graph replay)")
+    print_table(overhead, HOST_OVERHEAD_COLUMNS)
+    write_json(args.out, "embedding", {**payload, "host_overhead": overhead})
     return 0
 
 

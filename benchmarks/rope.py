@@ -13,7 +13,9 @@ Modes: forward; backward alone (through a retained graph); forward+backward.
 Bytes: forward and backward each read and write x once (positions and cos/sin tables negligible).
 Goal: >= 85% of the copy bandwidth measured in this run. Also: max |y - fp32 reference| per
 implementation (the reference computes cos/sin in fp32; HF-style eager rounds them to bf16 first),
-and a num_warps sweep of our kernel at the main shape.
+a num_warps sweep of our bare kernel (rope_apply) at the main shape, and, at the main shape, each
+implementation's GPU time from CUDA graph replay next to its as-called time (their difference is the
+host cost per call: Python, autograd, launches).
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from __future__ import annotations
 import torch
 from common import (
     GB,
+    HOST_OVERHEAD_COLUMNS,
     MODES,
     arg_parser,
     bench_ms,
     copy_ceiling,
+    host_overhead,
     measure,
     optional_import,
     print_table,
@@ -116,7 +120,7 @@ def forward_errors(impls: dict) -> dict:
 
 def num_warps_sweep(copy_gbps: float) -> list[dict]:
     x, positions, *_ = make_inputs(MAIN_TOKENS)
-    inv_freq = ours.rope_inv_freq(HEAD_DIM, THETA, x.device)
+    inv_freq = ours.cached_inv_freq(HEAD_DIM, THETA, x.device)
     rows = []
     for warps in (2, 4, 8, 16):
         result = measure(f"forward num_warps={warps}",
@@ -148,10 +152,11 @@ def main() -> int:
                 + [c for n in names[1:] for c in (f"{n}_ms", f"{n}_pct_copy", f"ratio_vs_{n}")])
     print(f"\nforward error vs the fp32 reference at {MAIN_TOKENS} tokens (positions 0..{MAIN_TOKENS - 1}):")
     print_table([{"impl": n, **e} for n, e in errors.items()], ["impl", "max_abs", "not_rounded_ref", "elements"])
-    print("\nour kernel by num_warps at the main shape (fixed in code: rope.launch_config)")
+    print(f"\nour bare kernel (rope_apply, no wrapper) by num_warps at {MAIN_TOKENS} tokens "
+          f"(fixed in code: rope.launch_config -> {ours.launch_config(HEADS, HEAD_DIM)[2]})")
     print_table(warps, ["num_warps", "ms", "pct_copy"])
 
-    write_json(args.out, "rope", {
+    payload = {
         "shape": {"heads": HEADS, "head_dim": HEAD_DIM, "theta": THETA, "tokens": tokens_list, "dtype": str(DTYPE)},
         "liger": "available" if "liger" in impls else "unavailable",
         "ceilings": {"copy": copy},
@@ -159,7 +164,8 @@ def main() -> int:
         "rows": rows,
         "forward_error_vs_fp32_reference": errors,
         "num_warps_sweep": warps,
-    })
+    }
+    write_json(args.out, "rope", payload)  # written again below; kept if the CUDA graph part fails
     panels = []
     for mode in ("forward", "forward+backward"):
         mode_rows = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["tokens"])
@@ -170,6 +176,13 @@ def main() -> int:
             "hline": (copy_gbps, "copy"),
         })
     save_plot(args.out, "rope", panels)
+
+    called = {r["mode"]: r for r in rows if r["tokens"] == MAIN_TOKENS}
+    overhead = host_overhead(impls, make_inputs(MAIN_TOKENS), [0], called)
+    print(f"\nhost cost per call at {MAIN_TOKENS} tokens: as called (L2 flushed, GPU waits for the host) "
+          "vs GPU only (CUDA graph replay)")
+    print_table(overhead, HOST_OVERHEAD_COLUMNS)
+    write_json(args.out, "rope", {**payload, "host_overhead": overhead})
     return 0
 
 

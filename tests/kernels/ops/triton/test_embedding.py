@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from rl_engine.kernels.ops.pytorch.embedding.embedding import NativeEmbeddingOp
-from rl_engine.kernels.ops.triton.embedding.embedding import RUN_TILE, TritonEmbeddingOp
+from rl_engine.kernels.ops.triton.embedding import embedding as triton_embedding
+from rl_engine.kernels.ops.triton.embedding.embedding import RUN_TILE, SEGMENT, TritonEmbeddingOp
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2**-7, atol=1e-5)}
@@ -51,6 +52,34 @@ def test_long_runs_of_one_id_sum_every_occurrence():
     expected = torch.zeros(4, 16, dtype=torch.float64, device=DEVICE)
     expected.index_add_(0, ids[0], dy[0].double())
     torch.testing.assert_close(dweight.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_runs_longer_than_a_segment_are_split_and_summed_in_order(monkeypatch):
+    # A small SEGMENT keeps the interpreter fast. Two adjacent long runs (40 and 20 rows of ids 1, 2
+    # after two 0s) put a later segment of the first and the first segment of the second in the same
+    # SEGMENT-window of sorted positions: their partial rows must not share a slot.
+    monkeypatch.setattr(triton_embedding, "SEGMENT", 2 * RUN_TILE)
+    gen = torch.Generator().manual_seed(5)
+    flat = torch.tensor([0] * 2 + [1] * 40 + [2] * 20 + [4] * 3)
+    ids = flat[torch.randperm(flat.numel(), generator=gen)].reshape(1, -1).to(DEVICE)
+    weight = torch.randn(6, 24, generator=gen).to(DEVICE)
+    dy = torch.randn(1, flat.numel(), 24, generator=gen).to(DEVICE)
+    _, dweight = _run(TritonEmbeddingOp(), ids, weight, dy)
+    expected = torch.zeros(6, 24, dtype=torch.float64, device=DEVICE)
+    expected.index_add_(0, ids[0], dy[0].double())
+    torch.testing.assert_close(dweight.double(), expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(_run(TritonEmbeddingOp(), ids, weight, dy)[1], dweight)
+
+
+def test_segment_is_a_multiple_of_the_tile():
+    assert SEGMENT % RUN_TILE == 0 and SEGMENT >= RUN_TILE
+
+
+def test_no_grad_forward_equals_autograd_forward():
+    ids, weight, dy = _inputs(2, 5, 7, 12, torch.bfloat16, seed=6)
+    y, _ = _run(TritonEmbeddingOp(), ids, weight, dy)
+    with torch.no_grad():
+        assert torch.equal(TritonEmbeddingOp()(token_ids=ids, weight=weight), y)
 
 
 def test_gradient_is_independent_of_the_batch_shape_given_the_token_order():

@@ -286,6 +286,114 @@ def test_config_depends_on_n_and_k_only():
     assert list(inspect.signature(matmul_config).parameters) == ["dtype", "n", "k"]
 
 
+# --- the host path: one plan per (dtype, N, K, device, config), direct launches of the compiled kernel ---
+
+
+class _FakeCompiledKernel:
+    """Stands in for Triton's CompiledKernel: records what a direct launch passes."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def run(self, grid_x, grid_y, grid_z, stream, function, metadata, launch_metadata, enter, exit, *args):
+        self.calls.append(("direct", (grid_x,), args, {"stream": stream, "hooks": (enter, exit)}))
+
+
+class _FakeTmaKernel:
+    """Stands in for the jitted TMA kernel: kernel[grid](*args) records the call, returns the compiled kernel."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        def launch(*args, **options):
+            self.calls.append(("triton", grid, args, options))
+            return _FakeCompiledKernel(self.calls)
+
+        return launch
+
+
+@pytest.fixture
+def fake_gpu_launch(monkeypatch):
+    """The GPU launch path of the TMA kernel, with the kernel and the CUDA queries stubbed (runs on a CPU)."""
+    from rl_engine.kernels.ops.triton.linear import matmul as module
+
+    calls = []
+    monkeypatch.setattr(module, "_matmul_tma_kernel", _FakeTmaKernel(calls))
+    monkeypatch.setattr(module, "_ensure_cuda_context", lambda device: None)
+    monkeypatch.setattr(module, "_current_stream", lambda: (lambda device: 1234))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    plan = dataclasses.replace(module._make_plan(torch.bfloat16, 40, 48, -1, TMA), interpreting=False)
+    return module, plan, calls
+
+
+def _check_direct_launch(launch_tma, plan, calls):
+    """Launch a plan twice, at M = 33 then M = 1: the first goes through Triton (compiles, binds), the
+    second reuses its compiled kernel with the very same arguments, on the current stream, no hooks."""
+    descriptors = ("a_desc", "b_desc", "c_desc")
+    for m in (33, 1):
+        launch_tma(plan, 3, descriptors, m, 40, 48, False, True)
+    (via_triton, _, triton_args, options), (via_run, grid, direct_args, extra) = calls
+    assert (via_triton, via_run) == ("triton", "direct")
+    expected = (*descriptors, 1, 40, 48, False, True, *plan.constexprs)
+    assert direct_args == expected, f"direct launch passed {direct_args}"
+    assert grid == (3,) and extra == {"stream": 1234, "hooks": (None, None)}
+    assert triton_args[3:] == (33, *expected[4:]), "both paths bind the kernel's parameters in one order"
+    assert options == {"num_warps": TMA.num_warps, "num_stages": TMA.num_stages}
+
+
+def test_direct_launch_passes_what_triton_would(fake_gpu_launch):
+    module, plan, calls = fake_gpu_launch
+    _check_direct_launch(module._launch_tma, plan, calls)
+    module._launch_tma(plan, 3, ("a", "b", "c"), 5, 40, 48, True, True)  # another A_TRANS: another kernel
+    assert calls[-1][0] == "triton"
+
+
+def test_direct_launch_check_catches_swapped_arguments(fake_gpu_launch):
+    """Planted bug: a direct launch that passes K before N."""
+    module, plan, calls = fake_gpu_launch
+
+    def swapped_launch(plan, grid, descriptors, m, n, k, a_trans, b_trans):
+        kernel = plan.tma_kernels.get((0, a_trans, b_trans))
+        if kernel is None:
+            return module._launch_tma(plan, grid, descriptors, m, n, k, a_trans, b_trans)
+        args = (*descriptors, m, k, n, a_trans, b_trans, *plan.constexprs)
+        kernel.run(grid, 1, 1, 1234, kernel.function, kernel.packed_metadata, None, None, None, *args)
+
+    with pytest.raises(AssertionError, match="direct launch passed"):
+        _check_direct_launch(swapped_launch, plan, calls)
+
+
+def test_profiler_hooks_send_every_launch_through_triton(fake_gpu_launch):
+    import triton
+
+    module, plan, calls = fake_gpu_launch
+    hook = lambda metadata: None  # noqa: E731
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        for m in (33, 1):
+            module._launch_tma(plan, 3, ("a", "b", "c"), m, 40, 48, False, True)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    assert [c[0] for c in calls] == ["triton", "triton"]
+    module._launch_tma(plan, 3, ("a", "b", "c"), 1, 40, 48, False, True)
+    assert calls[-1][0] == "direct"
+
+
+def test_plan_is_built_once_per_shape_and_not_per_batch_size():
+    from rl_engine.kernels.ops.triton.linear import matmul as module
+
+    w = _randn(40, 48, dtype=torch.float32, seed=28)
+    module._plans.clear()
+    for m in (1, 7, 64):
+        batch_invariant_mm(_randn(m, 48, dtype=torch.float32, seed=m), w.t())
+    assert len(module._plans) == 1, list(module._plans)
+    (dtype, n, k, _, config), plan = next(iter(module._plans.items()))
+    assert (dtype, n, k, config) == (torch.float32, 40, 48, None) and plan.config == matmul_config(dtype, n, k)
+
+
 # --- on the H200 -------------------------------------------------------------------------------------
 
 # Qwen3-8B projections (hidden 4096): (N, K) of q/o, k/v, gate/up, down.
@@ -346,3 +454,25 @@ def test_gpu_gradients_and_determinism():
     assert_close_to_reference(out, ref, base, what="out")
     assert_close_to_reference(ga, ra, ba, what="grad a")
     assert_close_to_reference(gb, rb, bb, what="grad b")
+
+
+@pytest.mark.gpu
+def test_gpu_direct_launch_and_cuda_graph_give_triton_launch_bits():
+    """The cached direct launch, and the same call captured in a CUDA graph, reproduce the bits of
+    the launch Triton binds itself (forward layout, and the transposed a of the weight gradient)."""
+    from rl_engine.kernels.ops.triton.linear import matmul as module
+
+    a = torch.randn(300, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(768, 1024, device="cuda", dtype=torch.bfloat16) / 32
+    g = torch.randn(300, 768, device="cuda", dtype=torch.bfloat16)
+    for x, y, what in [(a, w.t(), "a @ w.t()"), (a.t(), g, "a.t() @ g")]:
+        module._plans.clear()
+        first = batch_invariant_mm(x, y)  # through Triton's launch
+        again = batch_invariant_mm(x, y)  # direct launch of the compiled kernel
+        assert_bitwise(again, first, f"{what}: direct launch")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = batch_invariant_mm(x, y)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise(captured, first, f"{what}: CUDA graph replay")

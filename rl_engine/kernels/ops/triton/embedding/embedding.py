@@ -3,18 +3,29 @@
 Forward: a gather, one program per (token, block of BLOCK_H columns); bits are copied, so the result
 is trivially batch-invariant.
 Backward, deterministic and in a fixed order. The flattened token ids are sorted with a *stable*
-device sort (torch.sort(stable=True) is deterministic), so equal ids keep their original token
-order, and `searchsorted` gives each sorted position the end of its run of equal ids. One program
-per (sorted position, column block) does work only if its position starts a run: it sums dy over
-the run in tiles of RUN_TILE consecutive rows (in increasing flattened token index b·S + s); each
-tile is reduced by a fixed tree (tl.sum over the tile) and the tiles are accumulated in run order,
-all in fp32, then the row is written once, cast once to weight's dtype. Rows of ids that never
-occur are zero (grad_weight starts as torch.zeros). The order depends only on the token ids.
-Cost to know: a run is summed by one program, so an id repeated n times costs n / RUN_TILE serial
-steps (a padding id repeated over most of the batch is the worst case).
+device sort (torch.sort(stable=True) is deterministic; keys are sorted as int32 when the vocabulary
+allows, half the radix passes of int64, the same order), so equal ids keep their original token
+order; `searchsorted` gives each sorted position the start and end of its run of equal ids.
+A run is cut into segments of SEGMENT rows from its start. One program per (sorted position, column
+block) works only if its position starts a segment: it sums dy over the segment in tiles of RUN_TILE
+consecutive rows (in increasing flattened token index b·S + s); each tile is reduced by a fixed tree
+(tl.sum over the tile) and the tiles are accumulated in order, all in fp32.
+- A run of at most SEGMENT rows is one segment: its sum is cast once and written to grad_weight.
+- A longer run writes each segment's fp32 sum to a partial row; a second kernel adds the partial
+  rows of the run in segment order and writes the row once, cast once to weight's dtype. Without
+  this split one program summed a whole run serially (a padding id over half the batch took 1.1 ms
+  instead of 0.5, benchmarks/results/embedding.json).
+Partial rows need no allocation per run: a long run's first segment uses slot 2·⌊p/SEGMENT⌋ + 1 and
+each later segment (starting at p) slot 2·⌊p/SEGMENT⌋; two segments of long runs never share a slot
+(a long run spans more than SEGMENT positions), so 2·⌈N/SEGMENT⌉ rows suffice.
+Rows of ids that never occur are zero: grad_weight starts as torch.zeros, launched first so that its
+fill (the 1.2 GB table at Qwen3 scale, most of the backward's time) hides the host work of the rest.
+The order depends only on the ids and is the same for every run of the program; no host syncs.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -35,18 +46,18 @@ def _embedding_forward_kernel(ids_ptr, weight_ptr, out_ptr, H, BLOCK_H: tl.const
 
 
 @triton.jit
-def _embedding_backward_kernel(
-    grad_out_ptr, sorted_ids_ptr, order_ptr, run_end_ptr, grad_weight_ptr,
-    H, RUN_TILE: tl.constexpr, BLOCK_H: tl.constexpr,
+def _embedding_segment_kernel(
+    grad_out_ptr, order_ptr, sorted_ids_ptr, run_start_ptr, run_end_ptr, grad_weight_ptr, partial_ptr,
+    H, SEGMENT: tl.constexpr, RUN_TILE: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     pos = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_mask = cols < H
-    vocab_row = tl.load(sorted_ids_ptr + pos)
-    previous = tl.load(sorted_ids_ptr + pos - 1, mask=pos > 0, other=-1)
-    starts_run = vocab_row != previous
-    # Programs that do not start a run get an empty loop and a masked-off store.
-    end = tl.where(starts_run, tl.load(run_end_ptr + pos), pos)
+    start = tl.load(run_start_ptr + pos)
+    run_end = tl.load(run_end_ptr + pos)
+    starts_segment = (pos - start) % SEGMENT == 0
+    # Programs that do not start a segment get an empty loop and masked-off stores.
+    end = tl.where(starts_segment, tl.minimum(pos + SEGMENT, run_end), pos)
     tile = tl.arange(0, RUN_TILE)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for first in range(pos, end, RUN_TILE):
@@ -56,15 +67,44 @@ def _embedding_backward_kernel(
         values = tl.load(grad_out_ptr + tokens[:, None] * H + cols[None, :],
                          mask=row_mask[:, None] & col_mask[None, :], other=0.0)
         acc += tl.sum(values.to(tl.float32), axis=0)
+    long_run = run_end - start > SEGMENT
+    short_run = run_end - start <= SEGMENT
+    vocab_row = tl.load(sorted_ids_ptr + pos).to(tl.int64)
     tl.store(grad_weight_ptr + vocab_row * H + cols, cast_rne(acc, grad_weight_ptr.dtype.element_ty),
-             mask=col_mask & starts_run)
+             mask=col_mask & starts_segment & short_run)
+    slot = 2 * (pos // SEGMENT) + (pos == start).to(tl.int64)
+    tl.store(partial_ptr + slot * H + cols, acc, mask=col_mask & starts_segment & long_run)
 
 
-# Rows summed per step of the backward: a constant, so the summation order depends only on the ids.
+@triton.jit
+def _embedding_long_run_kernel(
+    sorted_ids_ptr, run_start_ptr, run_end_ptr, grad_weight_ptr, partial_ptr,
+    H, SEGMENT: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    pos = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_mask = cols < H
+    start = tl.load(run_start_ptr + pos)
+    run_end = tl.load(run_end_ptr + pos)
+    owns_long_run = (pos == start) & (run_end - start > SEGMENT)
+    end = tl.where(owns_long_run, run_end, pos)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for segment in range(pos, end, SEGMENT):  # partial rows in segment order
+        slot = 2 * (segment // SEGMENT) + (segment == pos).to(tl.int64)
+        acc += tl.load(partial_ptr + slot * H + cols, mask=col_mask, other=0.0)
+    vocab_row = tl.load(sorted_ids_ptr + pos).to(tl.int64)
+    tl.store(grad_weight_ptr + vocab_row * H + cols, cast_rne(acc, grad_weight_ptr.dtype.element_ty),
+             mask=col_mask & owns_long_run)
+
+
+# Rows summed per step of the backward and rows per segment: constants, so the summation order
+# depends only on the ids. SEGMENT is a multiple of RUN_TILE (tiles never straddle two segments).
 RUN_TILE = 8
+SEGMENT = 128
 BACKWARD_BLOCK_H = 1024
 
 
+@functools.cache
 def launch_config(hidden: int) -> tuple[int, int]:
     """(BLOCK_H, num_warps): fixed per H."""
     block = min(triton.next_power_of_2(hidden), 2048)
@@ -85,15 +125,24 @@ def embedding_forward(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def embedding_backward(grad_out: torch.Tensor, ids: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
     """grad_weight [V,H] in `dtype` from grad_out [N,H] (contiguous) and flat ids [N]; fixed order."""
     n, hidden = grad_out.shape
-    sorted_ids, order = torch.sort(ids.to(torch.int64), stable=True)
-    run_end = torch.searchsorted(sorted_ids, sorted_ids, right=True)
     grad_weight = torch.zeros(vocab, hidden, dtype=dtype, device=grad_out.device)
+    if not n:
+        return grad_weight
+    keys = ids.to(torch.int32) if vocab <= torch.iinfo(torch.int32).max else ids.to(torch.int64)
+    sorted_ids, order = torch.sort(keys, stable=True)
+    run_start = torch.searchsorted(sorted_ids, sorted_ids)
+    run_end = torch.searchsorted(sorted_ids, sorted_ids, right=True)
+    partial = torch.empty(2 * triton.cdiv(n, SEGMENT), hidden, dtype=torch.float32, device=grad_out.device)
     block = min(triton.next_power_of_2(hidden), BACKWARD_BLOCK_H)
-    if n:
-        _embedding_backward_kernel[(n, triton.cdiv(hidden, block))](
-            grad_out, sorted_ids, order, run_end, grad_weight, hidden,
-            RUN_TILE=RUN_TILE, BLOCK_H=block, num_warps=4,
-        )
+    grid = (n, triton.cdiv(hidden, block))
+    _embedding_segment_kernel[grid](
+        grad_out, order, sorted_ids, run_start, run_end, grad_weight, partial, hidden,
+        SEGMENT=SEGMENT, RUN_TILE=RUN_TILE, BLOCK_H=block, num_warps=4,
+    )
+    _embedding_long_run_kernel[grid](
+        sorted_ids, run_start, run_end, grad_weight, partial, hidden,
+        SEGMENT=SEGMENT, BLOCK_H=block, num_warps=4,
+    )
     return grad_weight
 
 
@@ -122,6 +171,10 @@ def embedding(token_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"weight: expected shape [V,H], got {tuple(weight.shape)}")
     if token_ids.is_floating_point():
         raise ValueError(f"token_ids: expected integer ids, got dtype {token_ids.dtype}")
+    if not (weight.requires_grad and torch.is_grad_enabled()):
+        # Without autograd: the kernel alone, no autograd.Function (its host cost shows at small shapes).
+        out = embedding_forward(token_ids.reshape(-1).contiguous(), weight.contiguous())
+        return out.reshape(*token_ids.shape, weight.shape[1])
     return _EmbeddingFunction.apply(token_ids, weight)
 
 

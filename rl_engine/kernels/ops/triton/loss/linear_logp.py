@@ -40,17 +40,20 @@ def _gemm(block_m, block_n, block_k, num_warps, num_stages, group=16) -> dict:
 
 # One fixed configuration per dtype (never keyed on the number of tokens). The top-level tiles are
 # the logits tiles of the forward and of the backward's recompute (which must match the forward's
-# tile shapes and K order bit for bit); DH and DW are the backward's gradient GEMMs (their own
-# tiles: they change no forward bit). `benchmarks/linear_logp.py --tile-sweep / --bwd-sweep`.
+# tile shapes and K order bit for bit); DH and DW are the backward's gradient GEMMs, with their own
+# tiles (they change no forward bit). `benchmarks/linear_logp.py --tile-sweep / --bwd-sweep`.
+# DLOGITS_MAXNREG caps the recompute kernel's registers (ptxas: 129 at 128x128 tiles, which leaves
+# one CTA per SM; 128 fit without spills and allow two). Register allocation changes no bit.
 _GPU_CONFIGS = {
     "16bit": dict(BLOCK_T=128, BLOCK_V=128, BLOCK_H=64, GROUP=16, num_warps=8, num_stages=3, VOCAB_CHUNK=4096,
-                  DH=_gemm(128, 128, 64, 8, 3), DW=_gemm(128, 128, 64, 8, 3)),
+                  DLOGITS_MAXNREG=None, DH=_gemm(128, 128, 64, 8, 3), DW=_gemm(128, 128, 64, 8, 3)),
     "fp32": dict(BLOCK_T=64, BLOCK_V=64, BLOCK_H=32, GROUP=16, num_warps=4, num_stages=2, VOCAB_CHUNK=4096,
-                 DH=_gemm(64, 64, 32, 4, 2), DW=_gemm(64, 64, 32, 4, 2)),
+                 DLOGITS_MAXNREG=None, DH=_gemm(64, 64, 32, 4, 2), DW=_gemm(64, 64, 32, 4, 2)),
 }
 # Small tiles under the CPU interpreter, so tests at V ~ 100, H ~ 32 cross tile and chunk borders.
 _INTERPRETER_CONFIG = dict(BLOCK_T=16, BLOCK_V=16, BLOCK_H=16, GROUP=2, num_warps=1, num_stages=1, VOCAB_CHUNK=32,
-                           DH=_gemm(16, 16, 16, 1, 1, group=2), DW=_gemm(16, 16, 16, 1, 1, group=2))
+                           DLOGITS_MAXNREG=None, DH=_gemm(16, 16, 16, 1, 1, group=2),
+                           DW=_gemm(16, 16, 16, 1, 1, group=2))
 
 
 def config(dtype: torch.dtype) -> dict:
@@ -276,13 +279,14 @@ def _dlogits(hidden, weight, bias, targets, lse, grad_out, d, v_start, v_stop, c
     n, h = hidden.shape
     v = weight.shape[0]
     grid = (triton.cdiv(n, cfg["BLOCK_T"]) * triton.cdiv(v_stop - v_start, cfg["BLOCK_V"]),)
+    maxnreg = {"maxnreg": cfg["DLOGITS_MAXNREG"]} if cfg.get("DLOGITS_MAXNREG") else {}
     _dlogits_kernel[grid](
         hidden, weight, bias if bias is not None else weight, targets, lse, grad_out, d,
         n, v, h, v_start, v_stop, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         d.stride(0),
         HAS_BIAS=bias is not None, BLOCK_T=cfg["BLOCK_T"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"],
         GROUP=cfg["GROUP"], EVEN_H=h % cfg["BLOCK_H"] == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dot_options(hidden.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **maxnreg, **_dot_options(hidden.dtype),
     )
 
 

@@ -86,7 +86,7 @@ def _rms_norm_backward_kernel(
     tl.store(dweight_partial_ptr + chunk * H + cols, dweight, mask=mask)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def launch_config(hidden: int) -> tuple[int, int]:
     """(BLOCK_H, num_warps) for a row of `hidden` elements: fixed per H, never per number of rows."""
     block = triton.next_power_of_2(hidden)

@@ -93,7 +93,7 @@ def cached_inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.
     return table
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def launch_config(n_heads: int, head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_HEADS, BLOCK_HALF, num_warps): fixed per (heads, D), never per number of tokens."""
     block_heads, block_half = triton.next_power_of_2(n_heads), triton.next_power_of_2(head_dim // 2)
