@@ -134,9 +134,9 @@ def sweep_one(cfg, logits, targets, ref, copy_gbs) -> dict:
             row["fwd_ms"] = bench_ms(lambda: op(logits=logits, target_ids=targets))
             head, head_t = logits[:, :1024], targets[:, :1024]
             row["fwd_ms_1024"] = bench_ms(lambda: op(logits=head, target_ids=head_t))
-        fwd_bytes = logits.numel() * logits.element_size() + logits.shape[1] * 12
-        row["fwd_pct_copy"] = 100 * fwd_bytes / (row["fwd_ms"] * 1e-3) / GB / copy_gbs
-        row["fwd_pct_copy_1024"] = 100 * fwd_bytes / 8 / (row["fwd_ms_1024"] * 1e-3) / GB / copy_gbs
+        for suffix, x in (("", logits), ("_1024", head)):
+            fwd_bytes = x.numel() * x.element_size() + x.shape[1] * 12  # logits + targets, logp, lse
+            row[f"fwd_pct_copy{suffix}"] = 100 * fwd_bytes / (row[f"fwd_ms{suffix}"] * 1e-3) / GB / copy_gbs
         return row
     finally:
         ours.FORWARD_CONFIGS["16bit"] = shipped

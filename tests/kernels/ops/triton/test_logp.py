@@ -176,3 +176,26 @@ def test_gpu_backward_and_invariance(dtype):
     assert ((grad.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-6).all()
     alone, alone_grad = _grads(TritonLogpOp(), logits[1:2, 7:8], targets[1:2, 7:8], grad_out[1:2, 7:8])
     assert torch.equal(alone, out[1:2, 7:8]) and torch.equal(alone_grad, grad[1:2, 7:8])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_gpu_every_forward_algorithm_is_exact_and_invariant(dtype, algo):
+    # Every candidate of benchmarks/logp.py --sweep, compiled for the GPU (inline ex2.approx.ftz),
+    # at the real vocabulary: fp32-exact, and the same bits for a row alone as in the batch.
+    torch.manual_seed(2)
+    n, vocab = 512, 151936
+    logits = (torch.randn(1, n, vocab, device="cuda") * 4).to(dtype)
+    logits[0, 5, 1000:90000] = float("-inf")  # a masked span crossing many chunks
+    targets = torch.randint(0, vocab, (1, n), device="cuda")
+    targets[0, 5] = 3
+    out = TritonLogpOp()(logits=logits, target_ids=targets)
+    ref = NativeLogpOp()(logits=logits, target_ids=targets)
+    err = (out - ref).abs() / ref.abs().clamp(min=1.0)
+    assert err.max().item() <= 1e-5, (algo, err.max().item())
+    alone = TritonLogpOp()(logits=logits[:, 5:6], target_ids=targets[:, 5:6])
+    assert torch.equal(alone, out[:, 5:6])
+    big = (torch.randn(1, 3, vocab, device="cuda") * 40).to(dtype)  # logits of magnitude ~100
+    big_t = torch.randint(0, vocab, (1, 3), device="cuda")
+    big_err = (TritonLogpOp()(logits=big, target_ids=big_t) - NativeLogpOp()(logits=big, target_ids=big_t)).abs()
+    assert (big_err <= 1e-5 * NativeLogpOp()(logits=big, target_ids=big_t).abs().clamp(min=1.0)).all()

@@ -6,6 +6,8 @@ Forward (two kernels):
   1. `_partials_kernel`: one program per [BLOCK_T tokens, BLOCK_V vocab] tile computes the logits
      tile with `tl.dot` (fixed K loop over H), then per token the tile's max and sum of exp, and
      the target logit when the target falls in the tile. Partials go to [N, cdiv(V, BLOCK_V)].
+     The epilogue's exps are single ex2.approx.ftz ops (logp.exp2_ftz), and the target pick runs
+     only in tiles that hold some row's target (about one in ten).
   2. `_combine_kernel`: one program per token folds its partials in vocabulary order -> lse, logp.
 Backward, for each vocabulary chunk of VOCAB_CHUNK columns (a fixed size, fixed order):
   1. `_dlogits_kernel` recomputes the logits tile exactly as the forward did and writes

@@ -162,7 +162,7 @@ def _logp_backward_kernel(
 # The forward's one fixed configuration per dtype class - never keyed on the number of rows.
 # BLOCK_V is capped at next_power_of_2(V). `benchmarks/logp.py --sweep` times the alternatives.
 FORWARD_CONFIGS = {
-    "16bit": dict(ALGO="lane", BLOCK_V=4096, num_warps=8),
+    "16bit": dict(ALGO="group", BLOCK_V=8192, num_warps=8),
     "fp32": dict(ALGO="lane", BLOCK_V=2048, num_warps=8),
 }
 ALGOS = ("lane", "block", "group")
