@@ -226,6 +226,43 @@ def test_registered_as_torch_custom_ops():
     torch.library.opcheck(lm_head_op, (a, b.t()), test_utils=CHECKS)
     compiled = torch.compile(lambda a, b: TritonMatmulOp()(a=a, b=b), backend="aot_eager", fullgraph=True)
     assert_bitwise(compiled(a[None], b), TritonMatmulOp()(a=a[None], b=b), "compiled vs eager")
+    # Without autograd the eager call skips the op; a compiled graph still traces through it.
+    a, b = a.detach(), b.detach()
+    assert_bitwise(compiled(a[None], b), TritonMatmulOp()(a=a[None], b=b), "compiled vs eager, no grad")
+
+
+@pytest.fixture
+def custom_op_calls(monkeypatch):
+    """Records every call of the matmul and lm_head torch custom ops made by the functional entries."""
+    from rl_engine.kernels.ops.triton.linear import lm_head as lm_head_module
+    from rl_engine.kernels.ops.triton.linear import matmul as matmul_module
+
+    calls = []
+    for module, name in [(matmul_module, "batch_invariant_mm_op"), (lm_head_module, "lm_head_op")]:
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *args, real=real, name=name: calls.append(name) or real(*args))
+    return calls
+
+
+@pytest.mark.parametrize("which", ["matmul", "lm_head"])
+def test_custom_op_only_where_autograd_needs_it(which, custom_op_calls):
+    """Without autograd the GEMM is called directly (the op's dispatch is pure host cost), with the
+    same bits; with an input needing a gradient the op runs and the result has a backward."""
+    x = _randn(2, 5, 48, dtype=torch.bfloat16, seed=29)
+    w = _randn(40, 48, dtype=torch.bfloat16, seed=30)
+    op = (
+        (lambda x, w: TritonMatmulOp()(a=x, b=w.t()))
+        if which == "matmul"
+        else (lambda x, w: TritonLmHeadOp()(hidden=x, weight=w))
+    )
+    direct = op(x, w)
+    assert custom_op_calls == []
+    with torch.no_grad():
+        op(x, w.requires_grad_(True))
+    assert custom_op_calls == []
+    through_op = op(x, w)
+    assert len(custom_op_calls) == 1 and through_op.grad_fn is not None
+    assert_bitwise(direct, through_op.detach(), f"{which}: direct call vs custom op")
 
 
 def test_lm_head_and_input_gradient_rows_are_batch_invariant():
@@ -323,7 +360,7 @@ def fake_gpu_launch(monkeypatch):
     calls = []
     monkeypatch.setattr(module, "_matmul_tma_kernel", _FakeTmaKernel(calls))
     monkeypatch.setattr(module, "_ensure_cuda_context", lambda device: None)
-    monkeypatch.setattr(module, "_current_stream", lambda: (lambda device: 1234))
+    monkeypatch.setattr(module, "_current_stream", lambda: lambda device: 1234)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     plan = dataclasses.replace(module._make_plan(torch.bfloat16, 40, 48, -1, TMA), interpreting=False)
     return module, plan, calls
@@ -462,13 +499,14 @@ def test_gpu_direct_launch_and_cuda_graph_give_triton_launch_bits():
     the launch Triton binds itself (forward layout, and the transposed a of the weight gradient)."""
     from rl_engine.kernels.ops.triton.linear import matmul as module
 
-    a = torch.randn(300, 1024, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(320, 1024, device="cuda", dtype=torch.bfloat16)  # 320 tokens: 16-byte rows of a.t()
     w = torch.randn(768, 1024, device="cuda", dtype=torch.bfloat16) / 32
-    g = torch.randn(300, 768, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(320, 768, device="cuda", dtype=torch.bfloat16)
     for x, y, what in [(a, w.t(), "a @ w.t()"), (a.t(), g, "a.t() @ g")]:
         module._plans.clear()
         first = batch_invariant_mm(x, y)  # through Triton's launch
         again = batch_invariant_mm(x, y)  # direct launch of the compiled kernel
+        assert any(plan.tma_kernels for plan in module._plans.values()), f"{what}: the TMA kernel ran"
         assert_bitwise(again, first, f"{what}: direct launch")
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

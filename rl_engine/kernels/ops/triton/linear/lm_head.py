@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from rl_engine.kernels.ops.pytorch.linear.lm_head import NativeLmHeadOp
-from rl_engine.kernels.ops.triton.linear.matmul import batch_invariant_mm
+from rl_engine.kernels.ops.triton.linear.matmul import batch_invariant_mm, needs_custom_op
 
 
 @torch.library.custom_op("rl_engine::lm_head", mutates_args=())
@@ -44,7 +44,11 @@ lm_head_op.register_autograd(_lm_head_backward, setup_context=_lm_head_setup_con
 def triton_lm_head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """logits[..., V] = hidden[..., H] @ weight[V,H]^T in hidden's dtype; differentiable."""
     lead = hidden.shape[:-1]
-    logits = lm_head_op(hidden.reshape(-1, hidden.shape[-1]), weight)
+    hidden2d = hidden.reshape(-1, hidden.shape[-1])
+    if needs_custom_op(hidden, weight):
+        logits = lm_head_op(hidden2d, weight)
+    else:  # no autograd, no torch.compile: the GEMM alone, without the op's dispatch cost
+        logits = batch_invariant_mm(hidden2d, weight.t())
     return logits.reshape(*lead, weight.shape[0])
 
 

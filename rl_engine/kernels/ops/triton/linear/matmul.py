@@ -14,6 +14,14 @@ stride of #SMs (grouped ordering for L2 reuse). Two variants share that structur
 - `_matmul_pointer_kernel` loads through arbitrary strides (any layout or alignment).
 Which one runs is fixed by the config table and by (dtype, N, K, b's layout): never by M.
 
+Host cost: at small M launching can take longer than the GPU's work, so the launch is kept short.
+What depends only on (dtype, N, K, device, config) is worked out once (`_Plan`); the TMA kernel is
+launched through Triton once per plan and layout, then its compiled kernel is launched directly
+(no argument binding or cache-key hashing per call); descriptors skip checks already made.
+Device-side descriptors (`tl.make_tensor_descriptor`) would also drop the three host encodings,
+but need a scratch allocator that Triton keeps in a context variable (unset on autograd's backward
+thread, like the CUDA context below) and change the kernel, so the host descriptors stay.
+
 Under the CPU interpreter bf16/fp16 `tl.dot` is wrong, so `DOT_FP32` upcasts the operands first
 (runtime.dot_fp32); the interpreter also gets its own small fixed config. fp32 operands use
 input_precision="ieee" (no TF32).
@@ -248,8 +256,8 @@ def _ensure_cuda_context(device_index: int) -> None:
 class _Plan:
     """Everything a launch needs that depends only on (dtype, N, K, device, config): built once.
 
-    Per call only the operands' layouts, M and the grid size remain to be worked out, so the
-    host path stays short: at decode sizes it, not the GPU, bounds the time of a call.
+    Per call only the operands' layouts, M and the grid size remain to be worked out: at small M
+    the host's launch cost can exceed the GPU time of the product.
     """
 
     config: MatmulConfig
@@ -404,10 +412,18 @@ def _mm_backward(ctx, grad_c: torch.Tensor):
 batch_invariant_mm_op.register_autograd(_mm_backward, setup_context=_mm_setup_context)
 
 
+def needs_custom_op(*tensors: torch.Tensor) -> bool:
+    """Whether a call must go through the torch custom op: autograd will need its backward, or
+    torch.compile is tracing. Otherwise the GEMM is called directly: the op's dispatch alone costs
+    about 10 us of host time per call, as much as the rest of a launch."""
+    return torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 def triton_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """out[..., :] = a[..., :] @ b for a of any leading shape [..., K] and b [K,N]; differentiable."""
     lead = a.shape[:-1]
-    out = batch_invariant_mm_op(a.reshape(-1, a.shape[-1]), b)
+    mm = batch_invariant_mm_op if needs_custom_op(a, b) else batch_invariant_mm
+    out = mm(a.reshape(-1, a.shape[-1]), b)
     return out.reshape(*lead, b.shape[1])
 
 
