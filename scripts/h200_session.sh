@@ -32,10 +32,10 @@ run_stage() {
     env)
       stage env 60 bash -c 'nvidia-smi; python3 -c "import torch, triton, numpy; print(torch.__version__, triton.__version__, numpy.__version__, torch.cuda.get_device_name())"; python3 -c "import liger_kernel; print(\"liger ok\")"' ;;
     gpu-tests)
-      stage gpu-tests 480 python3 -m pytest -m gpu -q --timeout 300 -p no:cacheprovider tests ;;
+      stage gpu-tests 480 python3 -m pytest -o addopts= -m gpu -q --timeout 300 -p no:cacheprovider tests ;;
     pytest:*)  # pytest:FILE[,FILE...]: the gpu tests of those files only
       local files=${1#pytest:}
-      stage "pytest-$(basename "${files%%,*}" .py)" 300 python3 -m pytest -m gpu -q --timeout 300 -p no:cacheprovider ${files//,/ } ;;
+      stage "pytest-$(basename "${files%%,*}" .py)" 300 python3 -m pytest -o addopts= -m gpu -q --timeout 300 -p no:cacheprovider ${files//,/ } ;;
     check-ops)  # every Triton candidate at Qwen3-8B geometry, bf16 and fp32, in one process (one import)
       stage check-ops 420 python3 - "$R/evidence" $OPS <<'PY'
 import argparse, sys
@@ -56,6 +56,8 @@ for op in ops:
         print(f"check-op {op} {dtype} -> {rc}", flush=True)
 PY
       ;;
+    bench-mhc-quick)
+      stage "$1" 240 python3 benchmarks/mhc.py --out "$R/bench" --quick ;;
     bench-*)
       stage "$1" 150 python3 "benchmarks/${1#bench-}.py" --out "$R/bench" ;;
     mhc)
@@ -72,8 +74,6 @@ PY
       local p=${1#invariance-}
       stage "$1" 240 python3 scripts/check_forward_invariance.py --profile "$p" --model qwen3-8b \
         --device cuda --json "$R/evidence/invariance_qwen3-8b_$p.json" ;;
-    bench-mhc-quick)
-      stage "$1" 240 python3 benchmarks/mhc.py --out "$R/bench" --quick ;;
     *) echo "unknown stage $1" | tee -a "$SUMMARY" ;;
   esac
 }
