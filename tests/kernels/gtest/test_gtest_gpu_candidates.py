@@ -1,11 +1,10 @@
-"""On the GPU: every Triton candidate that loads, against the gold, forward, backward and batch invariance."""
+"""On the GPU: every Triton candidate against the gold, forward, backward and batch invariance."""
 
 import dataclasses
 
 import pytest
 import torch
 
-from rl_engine.errors import UsageError
 from rl_engine.kernels.gtest.op_checks import run_operator_suite
 from rl_engine.kernels.gtest.operator_inputs import QWEN3_8B, OperatorDims
 from rl_engine.kernels.gtest.operator_specs import make_candidate, make_operator_case, operator_names
@@ -25,10 +24,9 @@ GEOMETRIES = {
 def test_triton_candidate_matches_the_gold(op, dtype, geometry):
     dims = GEOMETRIES[geometry]
     major, minor = torch.cuda.get_device_capability()
-    try:
-        candidate = make_candidate(op, "triton", dims=dims, arch_key=f"sm{major}{minor}")
-    except UsageError as exc:
-        pytest.skip(str(exc))
+    candidate = make_candidate(op, "triton", dims=dims, arch_key=f"sm{major}{minor}")
     case = make_operator_case(op, dtype=dtype, device="cuda", dims=dims)
-    report = run_operator_suite(op, candidates=[candidate], cases=[case], check_grad=True, check_invariance=True)
+    # Our kv_cache_attention is an inference op: forward only.
+    report = run_operator_suite(op, candidates=[candidate], cases=[case], check_grad=op != "kv_cache_attention",
+                                check_invariance=True)
     assert report.passed, report.to_text()
