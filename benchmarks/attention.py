@@ -18,7 +18,7 @@ import sys
 
 import torch
 from common import (
-    GB,
+    add_ratios,
     arg_parser,
     bench_ms,
     copy_ceiling,
@@ -26,6 +26,7 @@ from common import (
     measure,
     optional_import,
     print_table,
+    record_bandwidth,
     save_plot,
     write_json,
 )
@@ -161,15 +162,8 @@ def decode_rows(batches, cache_lens, peers, copy_gbps):
             fns = {"triton": triton_kv_cache_attention, **peers}
             for name, fn in fns.items():
                 result = measure(f"decode B={b} cached={n} {name}", time_call, fn, (q, k_cache, v_cache, lengths))
-                if "error" in result:
-                    row[f"{name}_error"] = result["error"]
-                    continue
-                gbps = kv_bytes / (result["ms"] * 1e-3) / GB
-                row.update({f"{name}_ms": result["ms"], f"{name}_gb_per_s": gbps,
-                            f"{name}_pct_copy": 100 * gbps / copy_gbps})
-            for name in fns:
-                if name != "triton" and row.get("triton_ms") and row.get(f"{name}_ms"):
-                    row[f"ratio_vs_{name}"] = row[f"{name}_ms"] / row["triton_ms"]
+                record_bandwidth(row, name, result, kv_bytes, copy_gbps)
+            add_ratios(row, fns)
             rows.append(row)
             del q, k_cache, v_cache
     return rows

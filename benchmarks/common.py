@@ -12,6 +12,7 @@ writes `DIR/<name>.json` plus `DIR/<name>.png`. Scripts import this module as `f
     ms = bench_ms(fn)                        # median ms of fn() (triton.testing.do_bench)
     extra = peak_extra_bytes(fn)             # peak bytes allocated by fn() above what was live before
     row = measure("label", run, *args)      # row = run(*args); on error -> {"error": "..."}, printed
+    record_bandwidth(row, name, result, moved_bytes, copy_gbps); add_ratios(row, names)  # table cells
     t = time_mode("backward", fn, inputs, [0])  # {"ms", "peak_extra_bytes"}; modes: common.MODES
     g = time_mode_graphed("forward", fn, inputs, [0])  # {"ms"}: GPU time only (CUDA graph replay)
     rows = host_overhead(impls, inputs, [0], {mode: sweep_row})  # as called vs CUDA graph, per impl
@@ -135,6 +136,24 @@ def measure(label: str, run: Callable[..., dict], *args, **kwargs) -> dict:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return row
+
+
+def record_bandwidth(row: dict, name: str, result: dict, moved_bytes: int, copy_gbps: float) -> None:
+    """Put one implementation's timing into a table row: ms, GB/s, % of copy, peak MB (or its error)."""
+    if "error" in result:
+        row[f"{name}_error"] = result["error"]
+        return
+    gbps = moved_bytes / (result["ms"] * 1e-3) / GB
+    row.update({f"{name}_ms": result["ms"], f"{name}_gb_per_s": gbps, f"{name}_pct_copy": 100 * gbps / copy_gbps})
+    if "peak_extra_bytes" in result:
+        row[f"{name}_peak_mb"] = result["peak_extra_bytes"] / 1e6
+
+
+def add_ratios(row: dict, names) -> None:
+    """ratio_vs_<peer> = peer ms / triton ms (> 1: ours is faster), for every peer timed in the row."""
+    for name in names:
+        if name != "triton" and row.get("triton_ms") and row.get(f"{name}_ms"):
+            row[f"ratio_vs_{name}"] = row[f"{name}_ms"] / row["triton_ms"]
 
 
 MODES = ("forward", "backward", "forward+backward")

@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import torch
 from common import (
-    GB,
     HOST_OVERHEAD_COLUMNS,
     MODES,
+    add_ratios,
     arg_parser,
     copy_ceiling,
     host_overhead,
     measure,
     optional_import,
     print_table,
+    record_bandwidth,
     save_plot,
     time_mode,
     write_json,
@@ -78,16 +79,8 @@ def sweep(impls: dict, cases: list[tuple[int, bool]], copy_gbps: float) -> list[
             row = {"tokens": tokens, "ids": ids, "mode": mode, "bytes": traffic_bytes(tokens, mode)}
             for name, fn in impls.items():
                 result = measure(f"tokens={tokens} {ids} {mode} {name}", time_mode, mode, fn, inputs, [1])
-                if "error" in result:
-                    row[f"{name}_error"] = result["error"]
-                    continue
-                gbps = row["bytes"] / (result["ms"] * 1e-3) / GB
-                row.update({f"{name}_ms": result["ms"], f"{name}_gb_per_s": gbps,
-                            f"{name}_pct_copy": 100 * gbps / copy_gbps,
-                            f"{name}_peak_mb": result["peak_extra_bytes"] / 1e6})
-            for name in impls:
-                if name != "triton" and row.get("triton_ms") and row.get(f"{name}_ms"):
-                    row[f"ratio_vs_{name}"] = row[f"{name}_ms"] / row["triton_ms"]
+                record_bandwidth(row, name, result, row["bytes"], copy_gbps)
+            add_ratios(row, impls)
             rows.append(row)
         del inputs
     return rows

@@ -19,12 +19,14 @@ import torch
 from common import (
     GB,
     MODES,
+    add_ratios,
     arg_parser,
     bench_ms,
     copy_ceiling,
     measure,
     optional_import,
     print_table,
+    record_bandwidth,
     save_plot,
     time_mode,
     write_json,
@@ -74,16 +76,8 @@ def sweep(op: str, impls: dict, tokens_list: list[int], copy_gbps: float) -> lis
                 result = measure(f"{op} tokens={tokens} {mode} {name}", time_mode, mode, fn, args,
                                  list(range(len(args))))
                 del args
-                if "error" in result:
-                    row[f"{name}_error"] = result["error"]
-                    continue
-                gbps = moved / (result["ms"] * 1e-3) / GB
-                row.update({f"{name}_ms": result["ms"], f"{name}_gb_per_s": gbps,
-                            f"{name}_pct_copy": 100 * gbps / copy_gbps,
-                            f"{name}_peak_mb": result["peak_extra_bytes"] / 1e6})
-            for name in impls:
-                if name != "triton" and row.get("triton_ms") and row.get(f"{name}_ms"):
-                    row[f"ratio_vs_{name}"] = row[f"{name}_ms"] / row["triton_ms"]
+                record_bandwidth(row, name, result, moved, copy_gbps)
+            add_ratios(row, impls)
             rows.append(row)
         del inputs
     return rows
