@@ -25,6 +25,7 @@ from common import (
     gemm_ceiling,
     measure,
     optional_import,
+    parse_gpu_args,
     print_table,
     record_bandwidth,
     save_plot,
@@ -170,10 +171,7 @@ def decode_rows(batches, cache_lens, peers, copy_gbps):
 
 
 def main() -> int:
-    args = arg_parser(__doc__.splitlines()[0]).parse_args()
-    if not torch.cuda.is_available():
-        print("needs CUDA")
-        return 1
+    args = parse_gpu_args(arg_parser(__doc__.splitlines()[0]))
     seq_lens = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192]
     batches = [1, 64] if args.quick else [1, 4, 16, 64]
     cache_lens = [1024, 8192] if args.quick else [1024, 2048, 4096, 8192]

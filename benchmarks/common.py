@@ -5,7 +5,7 @@ writes `DIR/<name>.json` plus `DIR/<name>.png`. Scripts import this module as `f
 (the script's folder is on sys.path); importing it also puts the repository root on sys.path, so
 `rl_engine` imports without an install. The API, all small:
 
-    args = arg_parser("what this measures").parse_args()
+    args = parse_gpu_args(arg_parser("what this measures"))  # exits 2 without CUDA
     env = environment()                      # date, GPU, torch/Triton/Python/CUDA, Liger version
     copy = copy_ceiling()                    # {"ms", "gb_per_s"}: device-to-device copy, read+write
     gemm = gemm_ceiling()                    # {"ms", "tflop_per_s", "shape"}: bf16 torch.matmul 8192^3
@@ -51,6 +51,14 @@ def arg_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="directory for the JSON and PNG results")
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (smoke run)")
     return parser
+
+
+def parse_gpu_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse the command line; without CUDA, one line on stderr and exit code 2 (a configuration error)."""
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.exit(2, f"{parser.prog}: error: needs CUDA; the benchmarks run on the GPU machine\n")
+    return args
 
 
 def optional_import(module: str):

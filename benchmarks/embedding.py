@@ -29,6 +29,7 @@ from common import (
     host_overhead,
     measure,
     optional_import,
+    parse_gpu_args,
     print_table,
     record_bandwidth,
     save_plot,
@@ -87,10 +88,7 @@ def sweep(impls: dict, cases: list[tuple[int, bool]], copy_gbps: float) -> list[
 
 
 def main() -> int:
-    args = arg_parser(__doc__.splitlines()[0]).parse_args()
-    if not torch.cuda.is_available():
-        print("needs CUDA")
-        return 1
+    args = parse_gpu_args(arg_parser(__doc__.splitlines()[0]))
     token_counts = [MAIN_TOKENS] if args.quick else [MAIN_TOKENS, 4 * MAIN_TOKENS, 2 * MAIN_TOKENS, MAIN_TOKENS // 2]
     cases = [(t, False) for t in token_counts] + [(MAIN_TOKENS, True)]
     copy = measure("copy ceiling", copy_ceiling)

@@ -35,6 +35,7 @@ from common import (
     gemm_ceiling,
     measure,
     optional_import,
+    parse_gpu_args,
     peak_extra_bytes,
     print_table,
     save_plot,
@@ -284,7 +285,7 @@ def main() -> int:
     parser.add_argument("--tile-sweep", action="store_true", help="also time alternative logits-tile configs")
     parser.add_argument("--bwd-sweep", action="store_true", help="also time backward kernels and configs")
     parser.add_argument("--sweeps-only", action="store_true", help="skip the comparison with the peers")
-    args = parser.parse_args()
+    args = parse_gpu_args(parser)
     if args.sweeps_only:
         return sweeps(args)
     token_sweep = [MAIN_TOKENS] if args.quick else [1024, 2048, MAIN_TOKENS, 8192]

@@ -29,6 +29,7 @@ from common import (
     environment,
     measure,
     optional_import,
+    parse_gpu_args,
     peak_extra_bytes,
     print_table,
     save_plot,
@@ -171,7 +172,7 @@ def sweep(args) -> int:
 def main() -> int:
     parser = arg_parser(__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="only time the forward variants in SWEEP")
-    args = parser.parse_args()
+    args = parse_gpu_args(parser)
     if args.sweep:
         return sweep(args)
     token_sweep = [MAIN_TOKENS] if args.quick else [1024, 2048, 4096, MAIN_TOKENS]

@@ -37,6 +37,7 @@ from common import (  # noqa: E402
     copy_ceiling,
     gemm_ceiling,
     measure,
+    parse_gpu_args,
     print_table,
     save_plot,
     write_json,
@@ -319,10 +320,7 @@ def main() -> int:
     parser = arg_parser("batch-invariant Triton GEMM vs cuBLAS at Qwen3-8B projection shapes")
     parser.add_argument("--sweep", action="store_true", help="time candidate fixed configs instead")
     parser.add_argument("--sweep-shape", default="q/o", choices=list(SHAPES), help="the shape --sweep uses")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("needs CUDA")
-        return 2
+    args = parse_gpu_args(parser)
     start = time.perf_counter()
     run_sweep(args) if args.sweep else run_default(args)
     print(f"done in {time.perf_counter() - start:.0f} s")

@@ -22,7 +22,17 @@ import time
 from functools import partial
 
 import torch
-from common import arg_parser, bench_ms, copy_ceiling, environment, measure, print_table, save_plot, write_json  # noqa: I001 - common puts the repository root on sys.path
+from common import (  # noqa: I001 - common puts the repository root on sys.path
+    arg_parser,
+    bench_ms,
+    copy_ceiling,
+    environment,
+    measure,
+    parse_gpu_args,
+    print_table,
+    save_plot,
+    write_json,
+)
 
 from rl_engine.mhc import oracle
 from rl_engine.mhc.contract import LayerContract
@@ -124,10 +134,7 @@ def main() -> int:
     parser = arg_parser("one mHC site: strict Triton provider vs oracle on CUDA vs torch.compile (plain)")
     parser.add_argument("--oracle-max-tokens", type=int, default=4096,
                         help="run the oracle path only up to this many tokens (default 4096)")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("needs CUDA")
-        return 2
+    args = parse_gpu_args(parser)
     torch.backends.cuda.matmul.allow_tf32 = False
     env = environment()
     print(f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}", flush=True)

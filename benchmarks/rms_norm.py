@@ -32,6 +32,7 @@ from common import (
     host_overhead,
     measure,
     optional_import,
+    parse_gpu_args,
     print_table,
     record_bandwidth,
     save_plot,
@@ -126,10 +127,7 @@ def launch_sweep(copy_gbps: float) -> list[dict]:
 
 
 def main() -> int:
-    args = arg_parser(__doc__.splitlines()[0]).parse_args()
-    if not torch.cuda.is_available():
-        print("needs CUDA")
-        return 1
+    args = parse_gpu_args(arg_parser(__doc__.splitlines()[0]))
     # The main shape first: torch.compile specialises on the first shape it sees.
     tokens_list = [MAIN_TOKENS, MAIN_TOKENS // 4] if args.quick else [MAIN_TOKENS // k for k in (1, 2, 4, 8)]
     copy = measure("copy ceiling", copy_ceiling)

@@ -32,6 +32,7 @@ from common import (
     host_overhead,
     measure,
     optional_import,
+    parse_gpu_args,
     print_table,
     record_bandwidth,
     save_plot,
@@ -127,10 +128,7 @@ def num_warps_sweep(copy_gbps: float) -> list[dict]:
 
 
 def main() -> int:
-    args = arg_parser(__doc__.splitlines()[0]).parse_args()
-    if not torch.cuda.is_available():
-        print("needs CUDA")
-        return 1
+    args = parse_gpu_args(arg_parser(__doc__.splitlines()[0]))
     tokens_list = [MAIN_TOKENS] if args.quick else [MAIN_TOKENS, 2 * MAIN_TOKENS, MAIN_TOKENS // 2, MAIN_TOKENS // 4]
     copy = measure("copy ceiling", copy_ceiling)
     copy_gbps = copy.get("gb_per_s", float("nan"))
