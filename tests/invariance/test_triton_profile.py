@@ -23,7 +23,6 @@ def _mini(workload):
 
 
 def test_triton_bf16_bitwise_invariance_and_parity(tiny_one_layer):
-    pytest.importorskip("rl_engine.kernels.ops.triton.attention.attention")
     config, weights, workload = tiny_one_layer
     weights = {n: t.to(DEVICE) for n, t in weights.items()}
     report = run_harness(config, weights, _mini(workload), "triton_bf16", DEVICE, gradients=False)
