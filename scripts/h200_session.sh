@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched H200 session: GPU tests, harness reports at Qwen3-8B shapes, benchmarks.
 # Usage (on the device machine, repo root): bash scripts/h200_session.sh STAGE...
-# Stages: env gpu-tests pytest:FILE[,FILE] check-ops bench-<name> (benchmarks/<name>.py) bench-mhc-quick mhc tp
+# Stages: env gate pytest:FILE[,FILE] bench-<name> (benchmarks/<name>.py) bench-mhc-quick mhc tp
 # tp-multi invariance-<profile>.
 # Everything lands in $OUT/results.tgz (the device tool returns few, shallow files) plus a summary.
 set -u
@@ -26,36 +26,17 @@ stage() {  # stage NAME TIMEOUT_S CMD...: run, log, record rc; never stop the se
   tar czf "$OUT/results.tgz" -C "$R" .  # after every stage: a call cut short still returns what ran
 }
 
-OPS="logp linear_logp rms_norm silu swiglu rope embedding matmul lm_head attention kv_cache_attention"
 run_stage() {
   case "$1" in
     env)
       stage env 60 bash -c 'nvidia-smi; python3 -c "import torch, triton, numpy; print(torch.__version__, triton.__version__, numpy.__version__, torch.cuda.get_device_name())"; python3 -c "import liger_kernel; print(\"liger ok\")"' ;;
-    gpu-tests)
-      stage gpu-tests 480 python3 -m pytest -o addopts= -m gpu -q --timeout 300 -p no:cacheprovider tests ;;
-    pytest:*)  # pytest:FILE[,FILE...]: the gpu tests of those files only
+    gate)  # the GPU gate: the whole gpu-marked suite + check-op for every op at Qwen3-8B geometry
+      stage gate 540 python3 scripts/gpu_gate.py --out "$R/evidence/gate" ;;
+    pytest:*)  # pytest:FILE[,FILE...]: the gpu tests of those files only (a probe, never the gate)
       local files=${1#pytest:}
       stage "pytest-$(basename "${files%%,*}" .py)" 300 python3 -m pytest -o addopts= -m gpu -q --timeout 300 -p no:cacheprovider ${files//,/ } ;;
-    check-ops)  # every Triton candidate at Qwen3-8B geometry, bf16 and fp32, in one process (one import)
-      stage check-ops 420 python3 - "$R/evidence" $OPS <<'PY'
-import argparse, sys
-from rl_engine.kernels.gtest import check_op
-out, ops = sys.argv[1], sys.argv[2:]
-for op in ops:
-    for dtype in ("bf16", "fp32"):
-        parser = argparse.ArgumentParser()
-        check_op.add_arguments(parser)
-        argv = ["--op", op, "--candidate", "triton", "--device", "cuda", "--dtype", dtype, "--arch-key", "sm90",
-                "--qwen3-8b", "--seq", "1024", "--check-invariance", "--json-out", f"{out}/check_op_{op}_{dtype}.json"]
-        if op != "kv_cache_attention":  # an inference op: forward only
-            argv.append("--check-grad")
-        try:
-            rc = check_op.run(parser.parse_args(argv))
-        except Exception as exc:  # keep going: one op's failure must not hide the others
-            rc = f"error {type(exc).__name__}: {exc}"
-        print(f"check-op {op} {dtype} -> {rc}", flush=True)
-PY
-      ;;
+    bench-mhc)  # DeepSeek-V4 geometry: hidden 4096 and 7168, T = 4096 … 32768 (about 200 s on the H200)
+      stage "$1" 360 python3 benchmarks/mhc.py --out "$R/bench" ;;
     bench-mhc-quick)
       stage "$1" 240 python3 benchmarks/mhc.py --out "$R/bench" --quick ;;
     bench-*)

@@ -1,0 +1,153 @@
+"""The GPU gate: the whole `gpu`-marked suite plus every Triton op checked at Qwen3-8B geometry, in one call.
+
+    python scripts/gpu_gate.py --out DIR [--workers N]
+
+Runs on the H200 whenever kernel code changes (a subset is not a green run):
+  1. `pytest -m gpu tests` (pytest-xdist workers when installed: Triton compiles are CPU-bound);
+  2. at the same time, `check-op --candidate triton --check-invariance` for every op in the harness's op list, bf16
+     and fp32, Qwen3-8B geometry, seq 1024, with `--check-grad` where the op declares a Triton backward.
+Writes DIR/gpu_gate.log (everything, in order of completion), DIR/gpu_gate_summary.json,
+DIR/pytest_gpu.log and DIR/check_op/check_op_<op>_<dtype>.json.
+Exit 0 only when nothing failed, errored or was skipped; 1 otherwise; 2 without CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def log(fh, line: str) -> None:
+    print(line, flush=True)
+    fh.write(line + "\n")
+    fh.flush()
+
+
+def environment() -> dict:
+    import numpy
+    import torch
+    import triton
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+    except OSError:
+        commit = None
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit,
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "numpy": numpy.__version__, "python": platform.python_version()}
+
+
+def start_pytest(out: Path, workers: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider",
+           "--durations=10", "tests"]
+    try:
+        import xdist  # noqa: F401
+
+        if workers > 1:
+            cmd[3:3] = ["-n", str(workers)]
+    except ImportError:
+        pass
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=open(out / "pytest_gpu.log", "w"), stderr=subprocess.STDOUT,
+                            env=env)
+
+
+def pytest_counts(text: str) -> dict:
+    """Counts from pytest's closing line, e.g. '2 failed, 131 passed, 3 skipped in 40.1s'."""
+    tail = text.strip().splitlines()[-1] if text.strip() else ""
+    counts = {k: 0 for k in ("passed", "failed", "errors", "skipped", "xfailed", "xpassed")}
+    for n, word in re.findall(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)", tail):
+        counts["errors" if word.startswith("error") else word] = int(n)
+    counts["closing_line"] = tail
+    return counts
+
+
+def gate_passed(suite: dict, ops: list[dict]) -> bool:
+    """Green only if the suite ran, nothing failed, errored or skipped, and every op passed: a subset is not green."""
+    return (suite["rc"] == 0 and suite["passed"] > 0 and suite["failed"] == suite["errors"] == suite["skipped"] == 0
+            and bool(ops) and all(r["passed"] for r in ops))
+
+
+def check_ops(out: Path, fh) -> list[dict]:
+    from rl_engine.errors import UsageError
+    from rl_engine.kernels.gtest import check_op
+    from rl_engine.kernels.gtest.operator_specs import OP_SPECS, has_backward
+
+    results = []
+    for op, spec in OP_SPECS.items():
+        for dtype in ("bf16", "fp32"):
+            parser = argparse.ArgumentParser()
+            check_op.add_arguments(parser)
+            report = out / "check_op" / f"check_op_{op}_{dtype}.json"
+            argv = ["--op", op, "--candidate", "triton", "--device", "cuda", "--dtype", dtype, "--arch-key", "sm90",
+                    "--qwen3-8b", "--seq", "1024", "--check-invariance", "--json-out", str(report)]
+            if has_backward(spec, "triton"):
+                argv.append("--check-grad")
+            t0 = time.perf_counter()
+            try:
+                rc = check_op.run(parser.parse_args(argv))
+                error = None
+            except (UsageError, Exception) as exc:  # one op's error must not hide the others
+                rc, error = None, f"{type(exc).__name__}: {exc}"
+            seconds = time.perf_counter() - t0
+            row = {"op": op, "dtype": dtype, "check_grad": "--check-grad" in argv, "rc": rc, "error": error,
+                   "passed": rc == 0, "seconds": round(seconds, 1)}
+            results.append(row)
+            log(fh, f"check-op {op:<20} {dtype:<5} grad={row['check_grad']!s:<5} "
+                    f"{'PASSED' if row['passed'] else 'FAILED'} ({seconds:.1f} s){' ' + error if error else ''}")
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder for the log, the summary and the check-op reports")
+    parser.add_argument("--workers", type=int, default=6, help="pytest-xdist workers for the suite (default 6)")
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_gate: error: needs CUDA; run it on the GPU machine", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(out / "gpu_gate.log", "w") as fh:
+        env = environment()
+        log(fh, "GPU gate " + " ".join(f"{k}={v}" for k, v in env.items()))
+        pytest_proc = start_pytest(out, args.workers)
+        ops = check_ops(out, fh)
+        pytest_rc = pytest_proc.wait()
+        pytest_text = (out / "pytest_gpu.log").read_text()
+        log(fh, "--- pytest -m gpu ---")
+        fh.write(pytest_text)
+        print(pytest_text[-6000:])
+        suite = pytest_counts(pytest_text)
+        suite["rc"] = pytest_rc
+        ops_failed = [f"{r['op']} {r['dtype']}" for r in ops if not r["passed"]]
+        ok = gate_passed(suite, ops)
+        summary = {"environment": env, "passed": ok, "wall_s": round(time.perf_counter() - t0, 1),
+                   "pytest_gpu": suite, "check_op": ops, "check_op_failed": ops_failed}
+        (out / "gpu_gate_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        verdict = (f"GPU gate {'PASSED' if ok else 'FAILED'}: pytest -m gpu {suite['passed']} passed, "
+                   f"{suite['failed']} failed, {suite['errors']} errors, {suite['skipped']} skipped; check-op "
+                   f"{len(ops) - len(ops_failed)}/{len(ops)} passed; {summary['wall_s']} s on {env['gpu']} "
+                   f"(torch {env['torch']}, Triton {env['triton']}, commit {env['commit']})")
+        log(fh, verdict)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""The GPU gate's verdict: read from pytest's closing line and the check-op results, never green on a subset."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location("gpu_gate", Path(__file__).parents[2] / "scripts" / "gpu_gate.py")
+gpu_gate = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_gate)
+
+OPS_OK = [{"op": "logp", "dtype": "bf16", "passed": True}]
+
+
+def suite(line: str, rc: int = 0) -> dict:
+    return {**gpu_gate.pytest_counts("....\n" + line), "rc": rc}
+
+
+def test_counts_read_from_the_closing_line():
+    counts = gpu_gate.pytest_counts("x\n= 6 failed, 131 passed, 2 skipped, 1 error in 40.12s =")
+    assert (counts["failed"], counts["passed"], counts["skipped"], counts["errors"]) == (6, 131, 2, 1)
+
+
+def test_green_run_passes():
+    assert gpu_gate.gate_passed(suite("140 passed in 50.0s"), OPS_OK)
+
+
+@pytest.mark.parametrize("line, rc", [
+    ("6 failed, 131 passed in 40s", 1),       # the run this issue started from
+    ("131 passed, 1 error in 40s", 1),
+    ("131 passed, 3 skipped in 40s", 0),      # a skipped GPU test is not a pass
+    ("no tests ran in 0.1s", 5),
+    ("131 passed in 40s", 3),                 # pytest's own exit code disagrees: interrupted
+])
+def test_planted_suite_failures_fail_the_gate(line, rc):
+    assert not gpu_gate.gate_passed(suite(line, rc), OPS_OK)
+
+
+def test_one_failing_op_or_no_ops_fails_the_gate():
+    green = suite("140 passed in 50.0s")
+    assert not gpu_gate.gate_passed(green, OPS_OK + [{"op": "rope", "dtype": "fp32", "passed": False}])
+    assert not gpu_gate.gate_passed(green, [])
