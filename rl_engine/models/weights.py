@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -94,61 +95,192 @@ def content_hash(weights: dict) -> str:
 
 
 # -- Hugging Face checkpoints ---------------------------------------------------------------------
+#
+# A config.json field either sets the math, and then rl_engine accepts only the values it implements
+# (HF_MATH_FIELDS), or is known not to touch the logprobs of given tokens (HF_INERT_FIELDS). Every
+# other field is refused, fail closed: a transformers release or a fine-tune may add a key that
+# changes the function (a bias, a RoPE scaling, a quantization), and dropping it silently gives
+# wrong numbers with no error. The key set is that of transformers.Qwen3Config plus the published
+# Qwen/Qwen3-8B config.json (a test keeps the two in step).
 
-_HF_FIELDS = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "hidden_size",
-    "intermediate_size": "intermediate_size",
-    "num_layers": "num_hidden_layers",
-    "num_heads": "num_attention_heads",
-    "num_kv_heads": "num_key_value_heads",
-    "head_dim": "head_dim",
-    "rms_norm_eps": "rms_norm_eps",
-    "rope_theta": "rope_theta",
+REQUIRED = object()  # a field that must be present: no default would be right
+
+
+class CheckpointError(ValueError):
+    """A checkpoint rl_engine cannot load faithfully; the message is one line naming the file."""
+
+
+def _same(value, accepted) -> bool:
+    """== that keeps JSON booleans apart from numbers (true is not 1)."""
+    return isinstance(value, bool) == isinstance(accepted, bool) and value == accepted
+
+
+def _one_of(*accepted):
+    def check(value, config):
+        return None if any(_same(value, a) for a in accepted) else " or ".join(json.dumps(a) for a in accepted)
+
+    return check
+
+
+def _ours(attr):
+    def check(value, config):
+        ours = getattr(config, attr)
+        return None if _same(value, ours) else f"{ours!r} for {config.name}"
+
+    return check
+
+
+def _layers(value, config):
+    # A truncated config (--layers N) loads the first N layers of a deeper checkpoint.
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= config.num_layers
+    return None if ok else f">= {config.num_layers} for {config.name}"
+
+
+def _default_rope(value, config):
+    """Plain RoPE with our theta over the whole head (no YaRN, linear, dynamic, llama3, partial rotary)."""
+    expected = f'null or {{"rope_type": "default", "rope_theta": {config.rope_theta}}}'
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}:
+        return expected
+    kinds_ok = value.get("rope_type", "default") == "default" and value.get("type", "default") == "default"
+    theta_ok = _same(value.get("rope_theta", config.rope_theta), config.rope_theta)
+    rotary_ok = _same(value.get("partial_rotary_factor", 1.0), 1.0)
+    return None if kinds_ok and theta_ok and rotary_ok else expected
+
+
+def _full_attention_layers(value, config):
+    ok = value is None or (isinstance(value, list) and all(t == "full_attention" for t in value))
+    return None if ok else 'null or a list of "full_attention"'
+
+
+# field -> (value transformers assumes when the field is absent, or REQUIRED; check(value, config)
+# returning None when rl_engine computes that value, else what it accepts; why the field matters).
+HF_MATH_FIELDS = {
+    "model_type": (REQUIRED, _one_of("qwen3"), "the decoder family"),
+    "vocab_size": (REQUIRED, _ours("vocab_size"), "embedding and lm_head rows"),
+    "hidden_size": (REQUIRED, _ours("hidden_size"), "model width"),
+    "intermediate_size": (REQUIRED, _ours("intermediate_size"), "MLP width"),
+    "num_hidden_layers": (REQUIRED, _layers, "depth"),
+    "num_attention_heads": (REQUIRED, _ours("num_heads"), "query heads"),
+    "num_key_value_heads": (REQUIRED, _ours("num_kv_heads"), "key/value heads (GQA)"),
+    "head_dim": (REQUIRED, _ours("head_dim"), "head width (older configs derive it; we do not guess)"),
+    "rms_norm_eps": (1e-6, _ours("rms_norm_eps"), "RMSNorm epsilon"),
+    "rope_theta": (10000.0, _ours("rope_theta"), "RoPE base (transformers' default when absent)"),
+    "rope_parameters": (None, _default_rope, "RoPE type; only default RoPE is implemented"),
+    "rope_scaling": (None, _default_rope, "RoPE scaling (YaRN, linear, ...) is not implemented"),
+    "partial_rotary_factor": (1.0, _one_of(1.0), "RoPE over part of the head is not implemented"),
+    "hidden_act": ("silu", _one_of("silu"), "the MLP is SwiGLU"),
+    "attention_bias": (False, _one_of(False), "q/k/v/o biases are not implemented"),
+    "mlp_bias": (False, _one_of(False), "MLP biases are not implemented"),
+    "tie_word_embeddings": (False, _one_of(False), "a tied lm_head is not supported yet"),
+    "use_sliding_window": (False, _one_of(False), "sliding-window attention is not implemented"),
+    "layer_types": (None, _full_attention_layers, "sliding-attention layers are not implemented"),
+    # Dropout acts only in training mode in transformers, and rl_engine has none: a trainer that
+    # honoured it would compute other logprobs than the rollout, the mismatch rl_engine exists to remove.
+    "attention_dropout": (0.0, _one_of(0.0), "rl_engine computes attention without dropout"),
+    "quantization_config": (None, _one_of(None), "quantized weights are not implemented"),
+    "is_encoder_decoder": (False, _one_of(False), "Qwen3 is a decoder only"),
+}
+
+# field -> why it cannot change the logprobs of given tokens.
+HF_INERT_FIELDS = {
+    "architectures": "names the transformers class; model_type is checked",
+    "transformers_version": "provenance",
+    "torch_dtype": "storage dtype: weights are cast to the profile's dtype and hashed",
+    "dtype": "storage dtype (transformers >= 5 name of torch_dtype)",
+    "use_cache": "a generation switch",
+    "bos_token_id": "a generation token id",
+    "eos_token_id": "a generation token id",
+    "pad_token_id": "a generation token id",
+    "initializer_range": "initialisation only",
+    "max_position_embeddings": "default RoPE has no length-dependent term; positions are computed",
+    "sliding_window": "read only when use_sliding_window is true, which is refused",
+    "max_window_layers": "read only when use_sliding_window is true, which is refused",
+    "_name_or_path": "provenance",
+    "id2label": "classification heads only",
+    "label2id": "classification heads only",
+    "problem_type": "classification heads only",
+    "output_hidden_states": "what transformers returns, not what it computes",
+    "output_attentions": "what transformers returns, not what it computes",
+    "return_dict": "what transformers returns, not what it computes",
+    "chunk_size_feed_forward": "the Qwen3 MLP does not read it",
 }
 
 
-def check_hf_config(hf: dict, config: Qwen3Config) -> None:
-    """Raise ValueError listing every field where a Hugging Face config.json disagrees with ours."""
-    if "rope_theta" not in hf and isinstance(hf.get("rope_parameters"), dict):
-        hf = {**hf, "rope_theta": hf["rope_parameters"].get("rope_theta")}
+def check_hf_config(hf, config: Qwen3Config, source: str = "config.json") -> None:
+    """Raise CheckpointError, one line naming `source` and every field rl_engine would not compute as stated."""
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{source}: expected a JSON object, got a {type(hf).__name__}")
+    if "rope_theta" not in hf and isinstance(hf.get("rope_parameters"), dict) and "rope_theta" in hf["rope_parameters"]:
+        hf = {**hf, "rope_theta": hf["rope_parameters"]["rope_theta"]}  # transformers >= 5 keeps it there
     wrong = []
-    for ours, theirs in _HF_FIELDS.items():
-        # A truncated config (--layers N) may load the first N layers of a deeper checkpoint.
-        if ours == "num_layers" and hf.get(theirs, 0) >= config.num_layers:
+    for field, (default, check, why) in HF_MATH_FIELDS.items():
+        if field not in hf and default is REQUIRED:
+            wrong.append(f"{field} missing ({why})")
             continue
-        if hf.get(theirs) != getattr(config, ours):
-            wrong.append(f"{theirs}={hf.get(theirs)!r} (expected {getattr(config, ours)!r})")
-    if hf.get("tie_word_embeddings", False):
-        wrong.append("tie_word_embeddings=True (expected an untied lm_head)")
+        value = hf.get(field, default)
+        expected = check(value, config)
+        if expected is not None:
+            shown = json.dumps(value, default=str) + ("" if field in hf else " (absent)")
+            wrong.append(f"{field}={shown} (expected {expected}: {why})")
+    unknown = sorted(set(hf) - set(HF_MATH_FIELDS) - set(HF_INERT_FIELDS))
+    if unknown:
+        wrong.append(f"unknown fields {', '.join(unknown)} (refused: they may change the math)")
     if wrong:
-        raise ValueError(f"config.json does not match model {config.name}: " + ", ".join(wrong))
+        raise CheckpointError(f"{source}: not loadable as {config.name}: " + "; ".join(wrong))
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
+
+
+def read_hf_config(config_file: Path) -> dict:
+    try:
+        hf = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:  # ValueError: invalid JSON or bytes that are not UTF-8
+        raise CheckpointError(f"{config_file}: not a readable JSON file ({_one_line(exc)})") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{config_file}: expected a JSON object, got a {type(hf).__name__}")
+    return hf
 
 
 def load_hf_checkpoint(path, config: Qwen3Config, *, device="cpu", dtype=None) -> dict:
-    """Load a Qwen3 checkpoint directory (config.json + *.safetensors), after checking its config."""
-    from safetensors import safe_open
+    """Load a Qwen3 checkpoint directory (config.json + *.safetensors), after checking its config.
+
+    A tensor the model does not use is refused rather than dropped (a bias would change the math),
+    except the layers beyond a truncated config's depth.
+    """
+    from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise ValueError(f"weights_path: {path} has no config.json")
-    check_hf_config(json.loads(config_file.read_text()), config)
+        raise CheckpointError(f"weights_path: {path} has no config.json")
+    hf = read_hf_config(config_file)
+    check_hf_config(hf, config, source=str(config_file))
     wanted = weight_shapes(config)
+    known = weight_shapes(replace(config, num_layers=hf["num_hidden_layers"]))
     weights = {}
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"weights_path: {path} has no *.safetensors files")
+        raise CheckpointError(f"weights_path: {path} has no *.safetensors files")
     for file in files:
-        with safe_open(str(file), framework="pt", device=str(device)) as f:
-            for name in f.keys():
-                if name in wanted:
-                    t = f.get_tensor(name)
-                    weights[name] = t if dtype is None else t.to(dtype)
+        try:
+            with safe_open(str(file), framework="pt", device=str(device)) as f:
+                for name in f.keys():
+                    if name not in known:
+                        raise CheckpointError(f"{file}: tensor {name} is not part of a Qwen3 model rl_engine "
+                                              "computes (refused rather than dropped)")
+                    if name in wanted:
+                        t = f.get_tensor(name)
+                        weights[name] = t if dtype is None else t.to(dtype)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({_one_line(exc)})") from None
     missing = [n for n in wanted if n not in weights]
     if missing:
-        raise ValueError(f"weights_path: {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        raise CheckpointError(f"weights_path: {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
     for name, shape in wanted.items():
         if tuple(weights[name].shape) != shape:
-            raise ValueError(f"weights_path: {name} has shape {tuple(weights[name].shape)}, expected {shape}")
+            raise CheckpointError(f"weights_path: {name} has shape {tuple(weights[name].shape)}, expected {shape}")
     return weights

@@ -81,41 +81,63 @@ def fixture_hash(samples: list[Sample]) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-def _require(raw: dict, key: str, where: str):
+def _require(raw: dict, key: str, where: str, kind: type | None = None):
     if key not in raw:
         raise ManifestError(f"{where}: missing key {key!r}")
+    if kind is not None and not isinstance(raw[key], kind):
+        raise ManifestError(f"{where}.{key}: expected a JSON {_JSON_NAMES[kind]}, got {type(raw[key]).__name__}")
     return raw[key]
 
 
+_JSON_NAMES = {dict: "object", list: "list"}
+
+
 def load_workload(config: Qwen3Config, path: Path | None = None) -> Workload:
-    """The workload for a named (full-depth) model config; its fingerprint must match the pinned one."""
+    """The workload for a named (full-depth) model config; its fingerprint must match the pinned one.
+
+    Every ManifestError is one line that names the file.
+    """
     path = Path(path) if path is not None else MANIFEST_PATH
-    model_name = config.name
     try:
         raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"manifest {path}: cannot read ({exc})") from exc
+    except (OSError, ValueError) as exc:  # ValueError: invalid JSON or bytes that are not UTF-8
+        raise ManifestError(f"manifest {path}: cannot read ({' '.join(str(exc).split())})") from None
+    try:
+        return _parse(raw, config)
+    except ManifestError as exc:
+        raise ManifestError(f"manifest {path}: {exc}") from None
+
+
+def _parse(raw, config: Qwen3Config) -> Workload:
+    model_name = config.name
+    if not isinstance(raw, dict):
+        raise ManifestError(f"expected a JSON object, got a {type(raw).__name__}")
     if raw.get("schema") != SCHEMA:
-        raise ManifestError(f"manifest {path}: schema {raw.get('schema')!r}, expected {SCHEMA!r}")
-    spec = _require(raw, "fixtures", "manifest")
-    pins = _require(_require(raw, "models", "manifest"), model_name, "manifest.models")
+        raise ManifestError(f"schema {raw.get('schema')!r}, expected {SCHEMA!r}")
+    spec = _require(raw, "fixtures", "manifest", dict)
+    pins = _require(_require(raw, "models", "manifest", dict), model_name, "manifest.models", dict)
     if pins.get("config_fingerprint") != config.fingerprint():
         raise ManifestError(
-            f"manifest.models.{model_name}.config_fingerprint {pins.get('config_fingerprint')!r} "
+            f"models.{model_name}.config_fingerprint {pins.get('config_fingerprint')!r} "
             f"does not match the config ({config.fingerprint()})"
         )
-    samples = generate_samples(spec, config.vocab_size)
+    try:
+        samples = generate_samples(spec, config.vocab_size)
+    except (KeyError, TypeError, RuntimeError) as exc:  # a missing key, or a seed/length of the wrong type
+        raise ManifestError(f"fixtures: cannot generate samples ({type(exc).__name__}: {exc})") from None
     got = fixture_hash(samples)
-    if got != _require(pins, "fixture_hash", f"manifest.models.{model_name}"):
-        raise ManifestError(
-            f"manifest.models.{model_name}.fixture_hash: pinned {pins['fixture_hash']}, generated {got}"
-        )
-    permutation = _require(spec, "permutation", "fixtures")
+    if got != _require(pins, "fixture_hash", f"models.{model_name}"):
+        raise ManifestError(f"models.{model_name}.fixture_hash: pinned {pins['fixture_hash']}, generated {got}")
+    permutation = _require(spec, "permutation", "fixtures", list)
     if sorted(permutation) != list(range(len(samples))):
         raise ManifestError(f"fixtures.permutation: expected a permutation of 0..{len(samples) - 1}")
     cells = []
-    for c in _require(raw, "matrix", "manifest"):
-        cell = Cell(**c)
+    for c in _require(raw, "matrix", "manifest", list):
+        try:
+            cell = Cell(**c)
+        except TypeError:  # not an object, or a key that Cell lacks / a missing name, batching or layout
+            raise ManifestError(f"matrix: cell {c!r} is not an object with keys name, batching, layout"
+                                "[, chunked, permuted]") from None
         if cell.batching not in BATCHINGS or cell.layout not in LAYOUTS:
             raise ManifestError(f"matrix cell {cell.name}: batching must be in {BATCHINGS}, layout in {LAYOUTS}")
         if cell.chunked and cell.layout != "pad_right":
@@ -123,7 +145,7 @@ def load_workload(config: Qwen3Config, path: Path | None = None) -> Workload:
         cells.append(cell)
     if not cells or cells[0].layout != "packed" or cells[0].batching != "bn":
         raise ManifestError("matrix: the first (canonical) cell must be the packed BN layout")
-    parity = _require(raw, "parity", "manifest")
+    parity = _require(raw, "parity", "manifest", list)
     if not set(parity) <= set(BATCHINGS):
         raise ManifestError(f"parity: expected infer batchings from {BATCHINGS}, got {parity}")
     return Workload(
@@ -134,7 +156,7 @@ def load_workload(config: Qwen3Config, path: Path | None = None) -> Workload:
         pad_id=spec.get("pad_id", 0),
         cells=cells,
         parity=parity,
-        weight_seed=_require(pins, "weight_seed", f"manifest.models.{model_name}"),
+        weight_seed=_require(pins, "weight_seed", f"models.{model_name}"),
         weight_hash=pins.get("weight_hash"),
         fixture_hash=got,
     )

@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--candidate", default="pytorch", help="candidate backend (default pytorch: the smoke test)")
     parser.add_argument("--dtype", default="fp32", help=f"case dtype: {', '.join(DTYPES)} (default fp32)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
-    parser.add_argument("--arch-key", default=None, help="tolerance override key, e.g. sm90")
+    parser.add_argument("--arch-key", default=None,
+                        help="tolerance override key the contract knows, e.g. sm90 (default: none: the default rows)")
     defaults = OperatorDims()
     for name, kind in DIM_FLAGS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
@@ -82,9 +83,10 @@ def dims_from_args(args) -> OperatorDims:
 def list_operators() -> str:
     lines = []
     for spec in OP_SPECS.values():
+        grads = ",".join(spec.grad_input_names) or "none (forward only)"
         lines.append(
             f"{spec.name} class={spec.op_class} gold={spec.gold_path} candidates={','.join(spec.candidate_paths)} "
-            f"grad_inputs={','.join(spec.grad_input_names)} per_row_inputs={','.join(spec.batch_input_names)}"
+            f"grad_inputs={grads} per_row_inputs={','.join(spec.batch_input_names)}"
         )
     return "\n".join(lines)
 
@@ -95,7 +97,9 @@ def run(args) -> int:
         return 0
     if not args.op:
         raise UsageError(f"--op is required; valid ops: {', '.join(OP_SPECS)}")
-    get_spec(args.op)
+    spec = get_spec(args.op)
+    if args.check_grad and not spec.grad_input_names:
+        raise UsageError(f"{args.op} has no backward (an inference op); drop --check-grad")
     if args.dtype not in DTYPES:
         raise UsageError(f"--dtype: unsupported dtype {args.dtype!r}; valid: {', '.join(DTYPES)}")
     if args.input_mode not in INPUT_MODES:
@@ -109,6 +113,10 @@ def run(args) -> int:
         contract = load_contract(args.contract)
     except ContractError as exc:
         raise UsageError(str(exc)) from None
+    arch_keys = sorted({row["arch_key"] for row in contract["rows"] if "arch_key" in row})
+    if args.arch_key is not None and args.arch_key not in arch_keys:
+        raise UsageError(f"--arch-key: the contract has no rows for {args.arch_key!r}; known keys: "
+                         f"{', '.join(arch_keys) or 'none'} (leave the flag out for the default rows)")
     device = resolve_device(args.device)
     if device == "cpu" and not torch.cuda.is_available():
         # Triton candidates run on a CPU only under the interpreter, which Triton reads when a kernel

@@ -431,6 +431,8 @@ def run_operator_suite(
     contract = load_contract() if contract is None else contract
     validate_contract(contract)
     cases, candidates = list(cases), list(candidates)
+    if check_grad and any(not case.grad_input_names for case in cases):
+        raise ValueError("check_grad: a case declares no gradient inputs (a forward-only op has no backward)")
     reports = [CandidateReport(c.name, c.backend, c.arch_key) for c in candidates]
     notes = []
     for case in cases:

@@ -30,7 +30,7 @@ class OperatorSpec:
     op_class: str
     gold_path: str
     candidate_paths: dict
-    grad_input_names: tuple
+    grad_input_names: tuple  # empty: a forward-only op, `--check-grad` is refused
     batch_input_names: tuple  # inputs with a leading batch dim, sliced per row by the invariance check
     constructor_dims: tuple = field(default=())  # OperatorDims fields passed to the op's constructor
 
@@ -51,7 +51,8 @@ _SPECS = [
     _declare("matmul", "linear", "Matmul", "matmul", ["a", "b"], ["a"]),
     _declare("lm_head", "linear", "LmHead", "matmul", ["hidden", "weight"], ["hidden"]),
     _declare("attention", "attention", "Attention", "attention", ["q", "k", "v"], ["q", "k", "v"]),
-    _declare("kv_cache_attention", "attention", "KvCacheAttention", "attention", ["q", "k_cache", "v_cache"],
+    # An inference op (decode and chunked prefill against a KV cache): no gradient inputs, no backward.
+    _declare("kv_cache_attention", "attention", "KvCacheAttention", "attention", [],
              ["q", "k_cache", "v_cache", "cache_seqlens"]),
     _declare("silu", "activation", "Silu", "elementwise", ["x"], ["x"]),
     _declare("swiglu", "activation", "Swiglu", "elementwise", ["gate", "up"], ["gate", "up"]),

@@ -39,15 +39,45 @@ def test_the_seeds_smoke_command_passes(capsys):
 
 @pytest.mark.parametrize("op", list(OP_SPECS))
 def test_grad_invariance_and_json_work_for_every_op(capsys, op):
-    code, out, _ = check_op(capsys, "--op", op, "--dtype", "bf16", "--check-grad", "--check-invariance", "--json",
-                            *SMALL)
+    has_backward = bool(OP_SPECS[op].grad_input_names)
+    grad = ["--check-grad"] if has_backward else []
+    code, out, _ = check_op(capsys, "--op", op, "--dtype", "bf16", *grad, "--check-invariance", "--json", *SMALL)
     report = json.loads(out)
     assert report["suite"] == op and report["contract_fingerprint"].startswith("sha256:")
     assert {"seed", "torch", "triton", "device", "candidates"} <= set(report)
     roles = {(o["judgment"], o["role"]) for o in report["candidates"][0]["outputs"]}
     assert ("forward_accuracy", "output") in roles and ("forward_invariance", "output") in roles
-    assert any(j == "gradient_accuracy" for j, _ in roles)
+    assert any(j == "gradient_accuracy" for j, _ in roles) == has_backward
     assert code == (0 if report["passed"] else 1)
+
+
+def test_kv_cache_attention_is_declared_forward_only():
+    assert OP_SPECS["kv_cache_attention"].grad_input_names == ()
+    assert all(spec.grad_input_names for name, spec in OP_SPECS.items() if name != "kv_cache_attention")
+
+
+def test_check_grad_is_refused_by_the_spec_not_by_the_name(capsys, monkeypatch):
+    # silu has a backward; declared forward-only, --check-grad must be refused for it too.
+    monkeypatch.setitem(operator_specs.OP_SPECS, "silu", dataclasses.replace(OP_SPECS["silu"], grad_input_names=()))
+    code, out, err = check_op(capsys, "--op", "silu", "--check-grad", *SMALL)
+    assert code == 2 and not out and err.strip().endswith("silu has no backward (an inference op); drop --check-grad")
+
+
+def test_the_harness_refuses_check_grad_on_a_forward_only_case():
+    from rl_engine.kernels.gtest.op_checks import run_operator_suite
+    from rl_engine.kernels.gtest.operator_specs import make_candidate, make_operator_case
+
+    case = make_operator_case("kv_cache_attention")
+    with pytest.raises(ValueError, match="no gradient inputs"):
+        run_operator_suite("kv_cache_attention", candidates=[make_candidate("kv_cache_attention", "pytorch")],
+                           cases=[case], check_grad=True)
+
+
+def test_a_known_arch_key_selects_its_rows(capsys):
+    code, out, err = check_op(capsys, "--op", "matmul", "--arch-key", "sm90", "--json", *SMALL)
+    report = json.loads(out)
+    assert code == 0 and not err and report["candidates"][0]["arch_key"] == "sm90"
+    assert {o["tolerance"]["arch_key"] for o in report["candidates"][0]["outputs"]} == {"sm90"}
 
 
 def test_a_failing_candidate_exits_1(capsys, monkeypatch):
@@ -91,6 +121,10 @@ USAGE_ERRORS = {
     "bad grad mode": (["--op", "logp", "--grad-mode", "twos"], "--grad-mode"),
     "unreadable contract": (["--op", "logp", "--contract", "/nonexistent/contract.json"], "cannot read"),
     "invalid contract": (["--op", "logp", "--contract", "BAD"], "rows[0].mode"),
+    "check-grad on a forward-only op": (["--op", "kv_cache_attention", "--candidate", "triton", "--check-grad"],
+                                        "kv_cache_attention has no backward (an inference op); drop --check-grad"),
+    "unknown arch key": (["--op", "logp", "--arch-key", "sm80"],
+                         "--arch-key: the contract has no rows for 'sm80'; known keys: sm90 (leave the flag out"),
 }
 
 

@@ -32,7 +32,7 @@ def test_declarations_cover_every_op_with_gold_in_the_pytorch_package():
         assert spec.gold_path.startswith(GOLD_PACKAGE + ".")
         assert spec.candidate_paths["pytorch"] == spec.gold_path
         assert spec.candidate_paths["triton"].startswith("rl_engine.kernels.ops.triton.")
-        assert set(spec.grad_input_names) and set(spec.batch_input_names)
+        assert set(spec.batch_input_names)  # grad_input_names may be empty: a forward-only op
 
 
 def test_unknown_op_and_candidate_list_the_valid_names():
@@ -67,11 +67,12 @@ def test_constructor_dims_reach_the_op():
 def test_pytorch_candidate_passes_forward_and_gradient(op, dtype):
     case = make_operator_case(op, dtype=dtype)
     check_invariance = op in ROW_LOCAL_GOLDS
-    report = run_operator_suite(op, candidates=[make_candidate(op, "pytorch")], cases=[case], check_grad=True,
+    check_grad = bool(OP_SPECS[op].grad_input_names)
+    report = run_operator_suite(op, candidates=[make_candidate(op, "pytorch")], cases=[case], check_grad=check_grad,
                                 check_invariance=check_invariance)
     assert report.passed, report.to_text()
     judgments = {o.judgment for o in report.candidates[0].outputs}
-    assert {"forward_accuracy", "gradient_accuracy"} <= judgments
+    assert {"forward_accuracy", "gradient_accuracy"} <= judgments if check_grad else "forward_accuracy" in judgments
     if check_invariance:
         assert "forward_invariance" in judgments
 
@@ -90,6 +91,7 @@ def _row_by_row(fn, batched):
 def test_a_row_by_row_candidate_passes_invariance_for_every_op(op, dtype):
     case = make_operator_case(op, dtype=dtype)
     candidate = CandidateSpec("rows", _row_by_row(make_candidate(op, "pytorch").fn, case.batch_input_names), "test")
-    report = run_operator_suite(op, candidates=[candidate], cases=[case], check_grad=True, check_invariance=True)
+    report = run_operator_suite(op, candidates=[candidate], cases=[case], check_grad=bool(case.grad_input_names),
+                                check_invariance=True)
     invariance = [o for o in report.candidates[0].outputs if "invariance" in o.judgment]
     assert invariance and all(o.passed for o in invariance), report.to_text()
