@@ -4,11 +4,16 @@ For every selected case, on one device and the same seeded inputs:
 1. `check_capability`: the provider must declare the case's fusion mode, trainability and placement
    (checked before any operator runs);
 2. the oracle's trace must reproduce the golden hashes on this device;
-3. every boundary of the provider's trace is compared with the oracle's:
-   - a provider declaring `strict-fp32-v1` must be byte-identical to the oracle and to the golden
-     hashes;
-   - any other profile is judged by `TOLERANCE` (allclose, see below) and the report says so;
+3. every boundary of the provider's trace is compared with the oracle's, under the judgment the
+   contract names for the provider's declared `numeric_profile` (`contract.JUDGMENTS`), never one the
+   provider picks:
+   - `strict-fp32-v1`: byte-identical to the oracle and to the golden hashes;
+   - another profile the contract names (e.g. `fp32-relaxed`): its tolerance, and the report and the
+     summary line say so ("PASSED under tolerance ...");
+   - a profile the contract does not name (None, "", a typo): the case fails, nothing runs;
    the first diverging boundary is reported with its max abs error and ulp distance;
+   an operator that raises (anything but KeyboardInterrupt, SystemExit included) or returns the wrong
+   number, shape, dtype or device of outputs fails the case, naming the operator;
 4. batch invariance, forward and backward: each token run alone through the provider must give
    the same bytes as its row in the batch, for every per-token boundary (always bitwise).
 Exit codes: 0 passed, 1 failed, 2 usage error.
@@ -28,31 +33,49 @@ import torch
 
 from rl_engine.errors import UsageError
 from rl_engine.mhc import oracle
+from rl_engine.mhc.contract import judgment_for
 from rl_engine.mhc.fixtures import GOLDEN_PATH, Case, build_inputs, load_golden, select_cases
-from rl_engine.mhc.numerics import PROFILE
 from rl_engine.mhc.provider import check_capability, resolve_provider
 from rl_engine.mhc.trace import boundaries_for, compare, tensor_sha256
 
-# Judgment for a provider with a non-strict numeric profile: elementwise
-#   |cand − ref| ≤ atol_rel · max|ref| + rtol · |ref|
-# rtol = 1.6e-2 is four bf16 ulps (a non-strict provider may flip the bf16 rounding of an activation,
-# which then feeds every later boundary); the absolute term is relative to the boundary's own scale
-# because gradients are sums with cancellation. NaN/Inf where the oracle is finite always fails.
-TOLERANCE = {"mode": "allclose", "rtol": 1.6e-2, "atol_rel": 1e-3}
+
+def resolve_judgment(provider) -> tuple[dict | None, str]:
+    """(the judgment the contract names for the provider's declared profile, "") or (None, why not)."""
+    try:
+        profile = getattr(provider, "numeric_profile", None)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - a profile that cannot be read is not declared
+        return None, f"reading numeric_profile raised {type(exc).__name__}: {exc}"
+    try:
+        return judgment_for(profile), ""
+    except ValueError as exc:
+        return None, str(exc)
 
 
-def _within_tolerance(ref: torch.Tensor, cand: torch.Tensor) -> dict:
+def describe_judgment(judgment: dict | None, reason: str = "") -> str:
+    if judgment is None:
+        return f"none: {reason}"
+    if judgment["mode"] == "bitwise":
+        return f"bitwise ({judgment['profile']}: oracle and golden hashes)"
+    return (f"tolerance {judgment['profile']} ({judgment['mode']} vs the oracle, rtol {judgment['rtol']:g}, "
+            f"atol {judgment['atol_rel']:g}·max|ref|; golden hashes not applicable)")
+
+
+def _within_tolerance(ref: torch.Tensor, cand: torch.Tensor, judgment: dict) -> dict:
+    if judgment["mode"] != "allclose":
+        raise ValueError(f"judgment mode {judgment['mode']!r} is not implemented")
     ref64, cand64 = ref.detach().cpu().double(), cand.detach().cpu().double()
     bad_nan = bool((torch.isfinite(ref64) & ~torch.isfinite(cand64)).any())
     scale = float(ref64.abs().max()) if ref64.numel() else 0.0
-    excess = (cand64 - ref64).abs() - (TOLERANCE["atol_rel"] * scale + TOLERANCE["rtol"] * ref64.abs())
+    excess = (cand64 - ref64).abs() - (judgment["atol_rel"] * scale + judgment["rtol"] * ref64.abs())
     return {"within_tolerance": not bad_nan and bool((excess <= 0).all()),
             "max_excess": float(torch.nan_to_num(excess, nan=float("inf")).max()) if excess.numel() else 0.0}
 
 
 def check_case(provider, case: Case, device, golden: dict | None, batch_invariance: bool = True) -> dict:
-    """One case: capability, oracle vs golden, provider vs oracle (and golden), batch invariance."""
-    strict = provider.numeric_profile == PROFILE
+    """One case: judgment, capability, oracle vs golden, provider vs oracle (and golden), batch invariance."""
+    judgment, why_not = resolve_judgment(provider)
     contract, batch, controller, norm = build_inputs(case, device)
     result = {"case": case.name, "tokens": case.tokens, "hidden": case.hidden,
               "contract_fingerprint": contract.fingerprint(), "passed": False, "failures": []}
@@ -61,6 +84,9 @@ def check_case(provider, case: Case, device, golden: dict | None, batch_invarian
         failures.append("case missing from the golden manifest")
     elif golden["contract_fingerprint"] != contract.fingerprint():
         failures.append("golden manifest was made under another contract (fingerprint differs)")
+    if judgment is None:
+        failures.append(f"judgment: {why_not}")
+        return result
     try:
         check_capability(provider, contract)
     except UsageError as exc:
@@ -90,20 +116,20 @@ def check_case(provider, case: Case, device, golden: dict | None, batch_invarian
             rows.append({"boundary": name, "equal": False, "reason": "missing from the provider's trace"})
             continue
         row = {"boundary": name, **compare(reference[name], cand)}
-        if strict:
+        if judgment["mode"] == "bitwise":
             row["golden_equal"] = tensor_sha256(cand) == golden_hashes.get(name)
             row["passed"] = row["equal"] and row["golden_equal"]
         elif "reason" in row:
             row["passed"] = False
         else:
-            row.update(_within_tolerance(reference[name], cand))
+            row.update(_within_tolerance(reference[name], cand, judgment))
             row["passed"] = row["within_tolerance"]
         rows.append(row)
     result["boundaries"] = rows
     first = next((r for r in rows if not r.get("passed")), None)
     if first is not None:
         result["first_divergence"] = first
-        failures.append(_describe_divergence(first))
+        failures.append(_describe_divergence(first, judgment))
 
     if batch_invariance and case.tokens > 1:
         result["batch_invariance"] = _batch_invariance(provider, batch, controller, norm, contract, traced)
@@ -113,13 +139,18 @@ def check_case(provider, case: Case, device, golden: dict | None, batch_invarian
     return result
 
 
-def _describe_divergence(row: dict) -> str:
+def _describe_divergence(row: dict, judgment: dict) -> str:
     if "reason" in row:
         return f"{row['boundary']}: {row['reason']}"
     if row.get("equal"):
         return f"{row['boundary']}: equal to the oracle but not to the golden hash"
-    return (f"first diverging boundary {row['boundary']}: {row['mismatched']} elements differ, "
-            f"max abs error {row['max_abs_error']:.3g}, max {row['max_ulp']} ulp at {row['worst_index']}")
+    where = ("first diverging boundary" if judgment["mode"] == "bitwise"
+             else f"first boundary outside tolerance {judgment['profile']}")
+    n = row["mismatched"]
+    count = f"{n} element differs" if n == 1 else f"{n} elements differ"
+    nans = f" ({row['nan_mismatched']} NaN against a number)" if row["nan_mismatched"] else ""
+    return (f"{where} {row['boundary']}: {count}{nans}, max abs error {row['max_abs_error']:.3g}, "
+            f"max {row['max_ulp']} ulp, worst at {row['worst_index']}")
 
 
 def _batch_invariance(provider, batch, controller, norm, contract, traced) -> dict:
@@ -157,32 +188,49 @@ def check_provider(provider, cases: list[Case], device="cpu", manifest: dict | N
                    batch_invariance: bool = True, progress=print, provider_name: str | None = None) -> dict:
     """Run every case; returns the report (report["passed"] is the verdict)."""
     manifest = load_golden() if manifest is None else manifest
-    strict = provider.numeric_profile == PROFILE
+    judgment, why_not = resolve_judgment(provider)
     report = {
         "command": "check-p1",
         "provider": provider_name or f"{type(provider).__module__}:{type(provider).__name__}",
-        "numeric_profile": provider.numeric_profile,
-        "judgment": "bitwise (oracle and golden hashes)" if strict else
-                    "tolerance (non-strict profile: allclose vs the oracle; golden hashes not applicable)",
-        "tolerance": None if strict else TOLERANCE,
+        "numeric_profile": judgment["profile"] if judgment else None,
+        "judgment": describe_judgment(judgment, why_not),
+        "tolerance": judgment if judgment and judgment["mode"] != "bitwise" else None,
         "golden_manifest_sha256": hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest(),
         **environment(device),
         "cases": [],
     }
-    if progress and not strict:
-        progress(f"provider profile {provider.numeric_profile!r} is not {PROFILE}: judged by tolerance {TOLERANCE}")
+    if progress and (judgment is None or judgment["mode"] != "bitwise"):
+        progress(f"judgment: {report['judgment']}")
     for case in cases:
         start = time.perf_counter()
         result = check_case(provider, case, device, manifest["cases"].get(case.name), batch_invariance)
         result["seconds"] = round(time.perf_counter() - start, 3)
         report["cases"].append(result)
         if progress:
-            verdict = "PASS" if result["passed"] else "FAIL"
+            verdict = ("FAIL" if not result["passed"] else "PASS" if judgment["mode"] == "bitwise"
+                       else "PASS (tolerance)")
             detail = "" if result["passed"] else "  " + result["failures"][0]
             progress(f"{case.name:16s} T={case.tokens:<3d} C={case.hidden:<5d} {verdict}  "
                      f"{result['seconds']:6.2f}s{detail}")
-    report["passed"] = all(c["passed"] for c in report["cases"])
+    # no judgment or no case is never a pass
+    report["passed"] = judgment is not None and bool(report["cases"]) and all(c["passed"] for c in report["cases"])
     return report
+
+
+def summary_line(report: dict) -> str:
+    """The command's last line: the verdict and the judgment it was reached under (a pass under a tolerance
+    never reads as a bitwise pass), and the first failure."""
+    cases = report["cases"]
+    counts = f"{sum(c['passed'] for c in cases)}/{len(cases)} cases"
+    tol = report["tolerance"]
+    if report["numeric_profile"] is None:
+        under = ""  # no judgment: the first failure says why
+    else:
+        under = f" under tolerance {tol['profile']} (not bitwise)" if tol else " bitwise"
+    line = (f"check-p1 {'PASSED' if report['passed'] else 'FAILED'}{under}: {counts}, "
+            f"device {report['device']} ({report['device_name']})")
+    failed = next((c for c in cases if c["failures"]), None)
+    return line + (f"; first failure: {failed['case']}: {failed['failures'][0]}" if failed else "")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -211,7 +259,5 @@ def run(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1) + "\n")
         print(f"report written to {args.json}")
-    passed = sum(c["passed"] for c in report["cases"])
-    print(f"check-p1 {'PASSED' if report['passed'] else 'FAILED'}: {passed}/{len(report['cases'])} cases, "
-          f"{report['judgment']}, device {report['device']} ({report['device_name']})")
+    print(summary_line(report))
     return 0 if report["passed"] else 1

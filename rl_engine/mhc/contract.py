@@ -23,6 +23,33 @@ PLACEMENTS = ("replicated", "tp_sharded", "cp_token_sharded")  # the last two: r
 RMS_EPS_PLACEMENTS = ("inside", "outside")  # 1/sqrt(s/K + eps) (DeepSeek-V4) or 1/(sqrt(s/K) + eps)
 PRODUCTION_HIDDEN = {"deepseek-v4-flash": 4096, "deepseek-v4-pro": 7168}
 
+# How acceptance judges a provider's boundaries, keyed by the numeric profile the provider declares.
+# The contract decides, never the candidate: a profile not named here (None, "", a typo) fails.
+# allclose: |cand − ref| ≤ atol_rel · max|ref| + rtol · |ref| elementwise, per boundary; NaN/Inf
+# where the oracle is finite always fails; the golden hashes don't apply.
+JUDGMENTS = {
+    PROFILE: {"mode": "bitwise",
+              "rationale": "the profile promises the oracle's bytes: every boundary equals the oracle and the "
+                           "golden hashes"},
+    "fp32-relaxed": {"mode": "allclose", "rtol": 1.6e-2, "atol_rel": 1e-3,
+                     "rationale": "fp32 with library exp/sqrt/division and its own reduction order: rtol is four "
+                                  "bf16 ulps, since a flipped bf16 rounding of an activation feeds every later "
+                                  "boundary; atol is relative to the boundary's own scale because gradients are "
+                                  "sums with cancellation"},
+}
+
+
+def judgment_for(profile) -> dict:
+    """{"profile", "mode", ...} for a declared numeric profile; ValueError (one line) if the contract
+    names no judgment for it."""
+    if profile is None or (isinstance(profile, str) and not profile.strip()):
+        raise ValueError(f"provider declares no numeric_profile (got {profile!r}); "
+                         f"the contract knows {sorted(JUDGMENTS)}")
+    if not isinstance(profile, str) or profile not in JUDGMENTS:
+        raise ValueError(f"provider declares numeric_profile {profile!r}, which the contract does not know "
+                         f"(known: {sorted(JUDGMENTS)})")
+    return {"profile": profile, **JUDGMENTS[profile]}
+
 
 @dataclass(frozen=True)
 class LayerContract:

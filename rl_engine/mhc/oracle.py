@@ -31,6 +31,7 @@ from rl_engine.mhc.numerics import (
     to_bf16,
     tree4,
 )
+from rl_engine.mhc.trace import check_outputs
 
 F32 = torch.float32
 
@@ -309,18 +310,27 @@ def sublayer_standin_bwd(d_o: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 # --- one mHC site, forward and backward -----------------------------------------------------------------
 
 class OperatorError(RuntimeError):
-    """A provider operator raised; `operator` names it."""
+    """A provider operator raised, or returned something other than the protocol's outputs; `operator`
+    names it and the message says what happened."""
 
-    def __init__(self, operator: str, cause: BaseException):
-        super().__init__(f"{operator}: {type(cause).__name__}: {cause}")
+    def __init__(self, operator: str, message: str):
+        super().__init__(message)
         self.operator = operator
 
 
 def _call(ops, name: str, *args):
+    """ops.<name>(*args), its outputs checked against `trace.OPERATOR_OUTPUTS` (args[0] carries T and the
+    device, args[-1] is the contract), so a bad output is blamed on the operator that produced it."""
     try:
-        return getattr(ops, name)(*args)
-    except Exception as exc:  # noqa: BLE001 - any provider failure is reported with its operator
-        raise OperatorError(name, exc) from exc
+        result = getattr(ops, name)(*args)
+    except KeyboardInterrupt:
+        raise  # the person at the terminal still stops the run
+    except BaseException as exc:  # noqa: BLE001 - SystemExit included: a provider never ends the run, it fails
+        raise OperatorError(name, f"{name} raised {type(exc).__name__}: {exc}") from exc
+    try:
+        return check_outputs(name, result, args[-1], args[0].shape[0], args[0].device)
+    except ValueError as exc:
+        raise OperatorError(name, str(exc)) from None
 
 
 def mhc_site(batch: ResidualBatch, controller: ControllerParams, norm: NormParams, contract: LayerContract,

@@ -1,8 +1,9 @@
 """The mHC provider protocol, the reference and stub providers, and provider resolution.
 
 A provider is a class whose instances expose
-  numeric_profile: str          "strict-fp32-v1" promises the oracle's bytes; anything else is judged
-                                by the tolerance contract (see `acceptance`);
+  numeric_profile: str          "strict-fp32-v1" promises the oracle's bytes and is judged bitwise; another
+                                profile is judged by the tolerance the contract names for it
+                                (`contract.JUDGMENTS`); a profile the contract does not name fails;
   capabilities() -> dict        {"fusion_modes": [...], "trainability": [...], "placements": [...]};
   one method per name in `trace.OPERATORS`, with the oracle function's signature and return values.
 `check_capability` rejects a contract the provider does not declare before any operator runs; a
@@ -73,7 +74,9 @@ def check_capability(provider, contract: LayerContract) -> None:
     and placement, and implements every operator the contract needs. Runs no operator."""
     try:
         declared = provider.capabilities()
-    except Exception as exc:  # noqa: BLE001 - a provider that cannot say what it does declares nothing
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - a provider that cannot say what it does declares nothing
         raise UsageError(f"{type(provider).__name__}.capabilities() raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(declared, dict):
         raise UsageError(f"{type(provider).__name__}.capabilities() must return a dict, got {type(declared).__name__}")
@@ -94,14 +97,18 @@ def resolve_provider(spec: str):
         raise UsageError(f"provider must be 'module:Class', got {spec!r}")
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - ImportError, SyntaxError, errors at import time
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - ImportError, SyntaxError, errors (SystemExit too) at import time
         raise UsageError(f"cannot import provider module {module_name!r}: {type(exc).__name__}: {exc}") from exc
     cls = getattr(module, class_name, None)
     if cls is None:
         raise UsageError(f"module {module_name!r} has no attribute {class_name!r}")
     try:
         provider = cls()
-    except Exception as exc:  # noqa: BLE001
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - SystemExit included
         raise UsageError(f"cannot construct provider {spec}: {type(exc).__name__}: {exc}") from exc
     if not isinstance(provider, MHCProvider):
         raise UsageError(f"{spec} is not an mHC provider (needs numeric_profile and capabilities())")

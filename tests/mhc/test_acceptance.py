@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import sys
 
 import pytest
 import torch
@@ -253,3 +254,200 @@ def test_cli_exit_codes_and_json_report(tmp_path, capsys):
 def test_cuda_without_cuda_is_a_usage_error(capsys):
     assert main(["check-p1", "--provider", "rl_engine.mhc.provider:ReferenceProvider", "--device", "cuda"]) == 2
     assert "CUDA is not available" in capsys.readouterr().err
+
+
+# --- the contract judges, and a provider can neither pick its judgment nor end the run ----------------------
+
+class OnePercentOff(ReferenceProvider):
+    """mhc_post's output 1% too large, declaring the strict profile."""
+
+    def mhc_post_fwd(self, *args):
+        return (oracle.mhc_post_fwd(*args).float() * 1.01).to(torch.bfloat16)
+
+
+class OnePercentOffNoProfile(OnePercentOff):
+    numeric_profile = None
+
+
+class OnePercentOffUnknownProfile(OnePercentOff):
+    numeric_profile = "fp32-fast"
+
+
+class ExitsQuietly(ReferenceProvider):
+    def mhc_pre_fwd(self, *args):
+        raise SystemExit(0)
+
+
+class RaisesValueError(ReferenceProvider):
+    def mhc_post_bwd(self, *args):
+        raise ValueError("bad tile")
+
+
+class Interrupted(ReferenceProvider):
+    def mhc_pre_fwd(self, *args):
+        raise KeyboardInterrupt
+
+
+class TwoOfThree(ReferenceProvider):
+    def hc_split_sinkhorn_fwd(self, h, contract):
+        return oracle.hc_split_sinkhorn_fwd(h, contract)[:2]
+
+
+class ReturnsNone(ReferenceProvider):
+    def mhc_post_fwd(self, *args):
+        return None
+
+
+class WrongShape(ReferenceProvider):
+    def mhc_pre_fwd(self, *args):
+        return oracle.mhc_pre_fwd(*args)[:, :-1]
+
+
+class WrongDtype(ReferenceProvider):
+    def mhc_pre_fwd(self, *args):
+        return oracle.mhc_pre_fwd(*args).float()
+
+
+class NoWeightGrad(ReferenceProvider):
+    def fp32_gemm_rms_bwd(self, *args):
+        return oracle.fp32_gemm_rms_bwd(*args)[0], None
+
+
+class OneNaN(ReferenceProvider):
+    def hc_split_sinkhorn_fwd(self, h, contract):
+        pre, post, res = oracle.hc_split_sinkhorn_fwd(h, contract)
+        res = res.clone()
+        res.view(-1)[5] = float("nan")
+        return pre, post, res
+
+
+def cli(capsys, provider_class, case="one_row"):
+    """(exit code, last stdout line) of check-p1 on a provider class of this module."""
+    capsys.readouterr()
+    code = main(["check-p1", "--provider", f"{__name__}:{provider_class.__name__}", "--cases", case])
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return code, captured.out.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("profile", [None, "", "  ", "fp32-fast", "fp32_relaxed", "strict-fp32-v2", 1])
+def test_a_profile_the_contract_does_not_name_fails_before_any_operator(profile):
+    calls = []
+
+    class Planted(OnePercentOff):
+        numeric_profile = profile
+
+        def fp32_gemm_rms_fwd(self, *args):
+            calls.append(1)
+            return oracle.fp32_gemm_rms_fwd(*args)
+
+    report = run(Planted(), names=("one_row",))
+    case = report["cases"][0]
+    assert not report["passed"] and report["tolerance"] is None and not calls
+    assert case["failures"] == [case["failures"][0]] and case["failures"][0].startswith("judgment: provider declares")
+    assert repr(profile) in case["failures"][0] and repr(profile) in report["judgment"]
+
+
+def test_one_percent_off_under_the_strict_profile_fails_bitwise():
+    report = run(OnePercentOff(), names=("one_row",))
+    assert not report["passed"] and report["judgment"].startswith("bitwise")
+    assert first(report)["boundary"] == "fwd.post.out"
+
+
+def test_cli_a_missing_or_unknown_profile_is_a_named_failure(capsys):
+    code, line = cli(capsys, OnePercentOffNoProfile)
+    assert code == 1 and line.startswith("check-p1 FAILED: 0/1 cases")
+    assert "provider declares no numeric_profile (got None)" in line
+    code, line = cli(capsys, OnePercentOffUnknownProfile)
+    assert code == 1 and "numeric_profile 'fp32-fast', which the contract does not know" in line
+
+
+def test_cli_says_which_judgment_passed(capsys):
+    code, line = cli(capsys, ReferenceProvider)
+    assert code == 0 and line.startswith("check-p1 PASSED bitwise: 1/1 cases")
+    code, line = cli(capsys, RelaxedSinkhorn)
+    assert code == 0 and line.startswith("check-p1 PASSED under tolerance fp32-relaxed (not bitwise): 1/1 cases")
+    code, line = cli(capsys, RelaxedButWrongScale, case="odd_t7")
+    assert code == 1 and line.startswith("check-p1 FAILED under tolerance fp32-relaxed (not bitwise): 0/1")
+    assert "first boundary outside tolerance fp32-relaxed fwd.sinkhorn.h_post" in line
+
+
+def test_the_tolerance_comes_from_the_contract(monkeypatch):
+    from rl_engine.mhc import contract
+
+    report = run(RelaxedSinkhorn(), names=("one_row",))
+    assert report["passed"] and report["tolerance"] == {"profile": "fp32-relaxed", **contract.JUDGMENTS["fp32-relaxed"]}
+    tight = {**contract.JUDGMENTS["fp32-relaxed"], "rtol": 0.0, "atol_rel": 0.0}
+    monkeypatch.setitem(contract.JUDGMENTS, "fp32-relaxed", tight)
+    assert not run(RelaxedSinkhorn(), names=("one_row",))["passed"]
+
+
+@pytest.mark.parametrize("provider_class,operator,message", [
+    (ExitsQuietly, "mhc_pre_fwd", "mhc_pre_fwd raised SystemExit: 0"),
+    (RaisesValueError, "mhc_post_bwd", "mhc_post_bwd raised ValueError: bad tile"),
+    (TwoOfThree, "hc_split_sinkhorn_fwd",
+     "hc_split_sinkhorn_fwd returned 2 values, expected 3 (h_pre, h_post, h_res)"),
+    (ReturnsNone, "mhc_post_fwd",
+     "mhc_post_fwd output 0 (out): expected [T, n, C] = [1, 4, 128] bfloat16 on cpu, got None"),
+    (WrongShape, "mhc_pre_fwd", "mhc_pre_fwd output 0 (u): expected [T, C] = [1, 128] bfloat16 on cpu, "
+                                "got [1, 127] bfloat16 on cpu"),
+    (WrongDtype, "mhc_pre_fwd", "got [1, 128] float32 on cpu"),
+    (NoWeightGrad, "fp32_gemm_rms_bwd", "fp32_gemm_rms_bwd output 1 (d_phi): expected [N, K] = [24, 512]"),
+])
+def test_a_misbehaving_operator_fails_the_case_and_is_named(capsys, provider_class, operator, message):
+    case = run(provider_class(), names=("one_row",))["cases"][0]
+    assert not case["passed"] and case["operator_error"]["operator"] == operator
+    assert message in case["failures"][0]
+    code, line = cli(capsys, provider_class)
+    assert code == 1 and line.startswith("check-p1 FAILED bitwise: 0/1 cases") and message in line
+
+
+def test_a_mixer_gradient_may_be_none_when_the_mixer_is_frozen():
+    assert run(NoWeightGrad(), names=("mixer_frozen",), batch_invariance=False)["passed"]
+
+
+def test_keyboard_interrupt_still_interrupts():
+    with pytest.raises(KeyboardInterrupt):
+        run(Interrupted(), names=("one_row",))
+
+
+def test_system_exit_outside_the_operators_is_a_failure_too():
+    class ExitingCapabilities(ReferenceProvider):
+        def capabilities(self):
+            raise SystemExit(0)
+
+    class ExitingProfile(ReferenceProvider):
+        @property
+        def numeric_profile(self):
+            raise SystemExit(3)
+
+    case = run(ExitingCapabilities(), names=("one_row",))["cases"][0]
+    assert "capabilities() raised SystemExit" in case["failures"][0]
+    case = run(ExitingProfile(), names=("one_row",))["cases"][0]
+    assert case["failures"][0] == "judgment: reading numeric_profile raised SystemExit: 3"
+
+
+def test_resolve_provider_turns_system_exit_into_a_usage_error(monkeypatch):
+    import types
+
+    class ExitsOnConstruction:
+        def __init__(self):
+            raise SystemExit(0)
+
+    module = types.ModuleType("mhc_exits_on_construction")
+    module.P = ExitsOnConstruction
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with pytest.raises(UsageError, match="cannot construct provider .*SystemExit"):
+        resolve_provider(f"{module.__name__}:P")
+
+
+def test_a_single_nan_is_one_element():
+    report = run(OneNaN(), names=("one_row",))
+    div = first(report)
+    assert div["boundary"] == "fwd.sinkhorn.h_res" and div["mismatched"] == 1 and div["nan_mismatched"] == 1
+    assert div["worst_index"] == [0, 1, 1]
+    assert "1 element differs (1 NaN against a number)" in report["cases"][0]["failures"][0]
+
+
+def test_no_case_is_not_a_pass():
+    assert not check_provider(ReferenceProvider(), [], progress=None)["passed"]

@@ -58,3 +58,37 @@ def test_inputs_are_validated_with_shapes():
     with pytest.raises(ValueError, match="gamma"):
         NormParams(torch.zeros(7), torch.zeros(8)).validate(c)
     assert torch.equal(ResidualBatch(good, good).row(1).streams, good[1:2])
+
+
+def test_the_contract_names_every_judgment():
+    from rl_engine.mhc.contract import JUDGMENTS, judgment_for
+    from rl_engine.mhc.numerics import PROFILE
+
+    assert judgment_for(PROFILE)["mode"] == "bitwise"
+    relaxed = judgment_for("fp32-relaxed")
+    assert relaxed["mode"] == "allclose" and relaxed["rtol"] > 0 and relaxed["profile"] == "fp32-relaxed"
+    assert all(j["mode"] in ("bitwise", "allclose") and j["rationale"] for j in JUDGMENTS.values())
+    for bad, message in [(None, "declares no numeric_profile"), ("", "declares no numeric_profile"),
+                         ("fp32-fast", "'fp32-fast', which the contract does not know"),
+                         (["strict-fp32-v1"], "which the contract does not know")]:
+        with pytest.raises(ValueError, match=message):
+            judgment_for(bad)
+
+
+def test_compare_counts_elements_not_nan_comparisons():
+    from rl_engine.mhc.trace import compare
+
+    ref = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    cand = ref.clone()
+    cand[1, 2] = float("nan")
+    diff = compare(ref, cand)
+    assert (diff["mismatched"], diff["nan_mismatched"], diff["worst_index"]) == (1, 1, [1, 2])
+    assert diff["max_abs_error"] == float("inf") and diff["max_ulp"] == 0  # no ulp distance to a NaN
+    cand[0, 1] = torch.nextafter(ref[0, 1], torch.tensor(9.0))
+    diff = compare(ref, cand)
+    assert (diff["mismatched"], diff["max_ulp"], diff["worst_index"]) == (2, 1, [1, 2])
+    both = ref.clone()
+    both[0, 0] = -0.0  # +0 and -0: one element whose bytes differ, zero ulp apart
+    assert compare(ref, both)["mismatched"] == 1 and compare(ref, both)["max_ulp"] == 0
+    nan = torch.full((2,), float("nan"), dtype=torch.bfloat16)
+    assert compare(nan, nan.clone())["equal"]
