@@ -1,16 +1,23 @@
 """The `rl-engine` command. Each subcommand lives beside the library code it drives.
 
-A subcommand module exposes `add_arguments(parser)` and `run(args) -> int`; this file only routes.
-Exit codes everywhere: 0 passed, 1 failed, 2 usage or configuration error.
+A subcommand module exposes `add_arguments(parser)` and `run(args) -> int`; this file only routes
+and is the boundary where errors become one line on stderr.
+Exit codes everywhere: 0 passed, 1 failed, 2 usage or configuration error (out of memory included),
+130 interrupted by SIGINT, 143 by SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import re
+import signal
 import sys
+from collections.abc import Callable
+from contextlib import contextmanager
+from types import SimpleNamespace
 
-from rl_engine.errors import UsageError
+from rl_engine.errors import Terminated, UsageError
 
 SUBCOMMANDS = {
     "check-op": ("rl_engine.kernels.gtest.check_op", "gold vs candidate operator check"),
@@ -19,10 +26,72 @@ SUBCOMMANDS = {
     "check-tp": ("rl_engine.parallel.check", "tensor-parallel invariance across TP = 1, 2, 4"),
     "mhc-golden": ("rl_engine.mhc.fixtures", "regenerate the mHC golden hashes (explicit only)"),
 }
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rl-engine", description=__doc__.splitlines()[0])
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (argparse prints the whole usage block first)."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {' '.join(message.split())}", file=sys.stderr)
+        sys.exit(2)
+
+
+@contextmanager
+def stop_signals():
+    """SIGINT raises KeyboardInterrupt and SIGTERM raises Terminated, so `finally` blocks and the
+    process launcher clean up on both; the state records the first signal. Repeats are ignored: the
+    cleanup they would interrupt is bounded, and cutting it short could leave rank processes behind."""
+    state = SimpleNamespace(signum=None)
+
+    def handler(signum, frame):
+        if state.signum is not None:
+            return
+        state.signum = signum
+        raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+    try:
+        previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    except ValueError:  # not the main thread: signals are not ours to take
+        previous = {}
+    try:
+        yield state
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+# CPU: "DefaultCPUAllocator: can't allocate memory: you tried to allocate 320000000000 bytes";
+# CUDA: "CUDA out of memory. Tried to allocate 2.00 GiB".
+_ALLOCATION = re.compile(r"tried to allocate (\d+ bytes|[\d.]+ [KMGTP]i?B)", re.IGNORECASE)
+_OOM_MARKERS = ("DefaultCPUAllocator", "not enough memory", "out of memory")
+
+
+def _bytes(n: int) -> str:
+    for unit, factor in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= factor:
+            return f"{n} bytes ({n / factor:.1f} {unit})"
+    return f"{n} bytes"
+
+
+def out_of_memory_message(exc: BaseException) -> str | None:
+    """One line for an allocation that failed (naming the size asked for when the error has it), else None."""
+    text = str(exc)
+    if not (isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+            or any(m in text for m in _OOM_MARKERS)):
+        return None
+    match = _ALLOCATION.search(text)
+    if match is None:
+        return "out of memory; use smaller sizes"
+    size = match.group(1)
+    if size.endswith(" bytes"):
+        size = _bytes(int(size.split()[0]))
+    return f"out of memory: tried to allocate {size}; use smaller sizes"
+
+
+def _build_parser() -> tuple[argparse.ArgumentParser, dict]:
+    """The parser, and command -> (module, its subparser)."""
+    parser = ArgumentParser(prog="rl-engine", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     modules = {}
     for name, (module_path, help_text) in SUBCOMMANDS.items():
@@ -32,17 +101,49 @@ def main(argv: list[str] | None = None) -> int:
             if exc.name and module_path.startswith(exc.name):
                 continue  # subcommand not built yet
             raise
-        modules[name] = module
-        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
-    args = parser.parse_args(argv)
+        modules[name] = (module, sub.add_parser(name, help=help_text, description=help_text))
+        module.add_arguments(modules[name][1])
+    return parser, modules
+
+
+def run_guarded(prog: str, command: Callable[[], int]) -> int:
+    """`command()` with the command-line boundary around it: stop signals become an exception, then
+    'interrupted' and 128 + the signal; a UsageError or a failed allocation becomes one line and 2."""
+    with stop_signals() as stop:
+        try:
+            return command()
+        except BaseException as exc:
+            # After a stop signal, whatever unwinds (KeyboardInterrupt, or a rank's death seen first) is the interrupt.
+            if stop.signum is not None or isinstance(exc, KeyboardInterrupt):
+                signum = stop.signum or getattr(exc, "signum", signal.SIGINT)
+                print(f"{prog}: interrupted", file=sys.stderr)
+                return 128 + int(signum)
+            if isinstance(exc, UsageError):
+                message = str(exc)
+            elif isinstance(exc, Exception) and (message := out_of_memory_message(exc)) is not None:
+                pass
+            else:
+                raise  # SystemExit from argparse, or a bug: its traceback is the right report
+            print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
+            return 2
+
+
+def _route(argv: list[str] | None) -> int:
+    parser, modules = _build_parser()  # inside the guard: it imports torch, seconds open to a Ctrl-C
+    args, unknown = parser.parse_known_args(argv)
     if args.command is None:
-        parser.print_help()
-        return 2
-    try:
-        return int(modules[args.command].run(args))
-    except UsageError as exc:
-        print(f"rl-engine {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}" if unknown else
+                     f"a command is required: {', '.join(modules)} (see rl-engine --help)")
+    module, subparser = modules[args.command]
+    if unknown:  # said by the subcommand's parser, so the line names the subcommand
+        subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return int(module.run(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    prog = f"rl-engine {argv[0]}" if argv and argv[0] in SUBCOMMANDS else "rl-engine"
+    return run_guarded(prog, lambda: _route(argv))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +27,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from rl_engine.cli import ArgumentParser, run_guarded  # noqa: E402
+from rl_engine.outputs import check_writable, write_atomic  # noqa: E402
 
 
 def log(fh, line: str) -> None:
@@ -61,8 +65,9 @@ def start_pytest(out: Path, workers: int) -> subprocess.Popen:
         pass
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)
+    # A session of its own: on an interrupt the gate kills the suite and its xdist workers as one group.
     return subprocess.Popen(cmd, cwd=ROOT, stdout=open(out / "pytest_gpu.log", "w"), stderr=subprocess.STDOUT,
-                            env=env)
+                            env=env, start_new_session=True)
 
 
 def pytest_counts(text: str) -> dict:
@@ -112,24 +117,29 @@ def check_ops(out: Path, fh) -> list[dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for the log, the summary and the check-op reports")
     parser.add_argument("--workers", type=int, default=6, help="pytest-xdist workers for the suite (default 6)")
     args = parser.parse_args()
+    out = check_writable(args.out, "--out", directory=True)
     import torch
 
     if not torch.cuda.is_available():
         print("gpu_gate: error: needs CUDA; run it on the GPU machine", file=sys.stderr)
         return 2
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(out / "gpu_gate.log", "w") as fh:
         env = environment()
         log(fh, "GPU gate " + " ".join(f"{k}={v}" for k, v in env.items()))
         pytest_proc = start_pytest(out, args.workers)
-        ops = check_ops(out, fh)
-        pytest_rc = pytest_proc.wait()
+        try:
+            ops = check_ops(out, fh)
+            pytest_rc = pytest_proc.wait()
+        except BaseException:  # an interrupt: the suite must not run on alone
+            os.killpg(pytest_proc.pid, signal.SIGKILL)
+            pytest_proc.wait()
+            raise
         pytest_text = (out / "pytest_gpu.log").read_text()
         log(fh, "--- pytest -m gpu ---")
         fh.write(pytest_text)
@@ -140,7 +150,7 @@ def main() -> int:
         ok = gate_passed(suite, ops)
         summary = {"environment": env, "passed": ok, "wall_s": round(time.perf_counter() - t0, 1),
                    "pytest_gpu": suite, "check_op": ops, "check_op_failed": ops_failed}
-        (out / "gpu_gate_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_atomic(out / "gpu_gate_summary.json", json.dumps(summary, indent=2) + "\n", "--out")
         verdict = (f"GPU gate {'PASSED' if ok else 'FAILED'}: pytest -m gpu {suite['passed']} passed, "
                    f"{suite['failed']} failed, {suite['errors']} errors, {suite['skipped']} skipped; check-op "
                    f"{len(ops) - len(ops_failed)}/{len(ops)} passed; {summary['wall_s']} s on {env['gpu']} "
@@ -150,4 +160,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_guarded("gpu_gate", main))

@@ -9,7 +9,6 @@
 A summary goes to mhc_cuda_check.json. Each step is guarded, so one failure doesn't lose the others.
 """
 
-import argparse
 import json
 import sys
 import time
@@ -20,11 +19,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from rl_engine.cli import ArgumentParser, run_guarded  # noqa: E402
 from rl_engine.mhc import numerics as nm  # noqa: E402
 from rl_engine.mhc.acceptance import check_provider, environment  # noqa: E402
 from rl_engine.mhc.fixtures import CASES, CASES_BY_NAME, build_inputs  # noqa: E402
 from rl_engine.mhc.oracle import mhc_site  # noqa: E402
 from rl_engine.mhc.provider import ReferenceProvider  # noqa: E402
+from rl_engine.outputs import check_writable, write_atomic  # noqa: E402
 
 
 def numerics_parity(n: int) -> dict:
@@ -69,19 +70,19 @@ def acceptance(device: str, out: Path, cases) -> dict:
     report = check_provider(ReferenceProvider(), cases, device,
                             provider_name="rl_engine.mhc.provider:ReferenceProvider")
     path = out / f"mhc_check_p1_reference_{device}.json"
-    path.write_text(json.dumps(report, indent=1) + "\n")
+    write_atomic(path, json.dumps(report, indent=1) + "\n", "--out")
     return {"passed": report["passed"], "cases": {c["case"]: c["passed"] for c in report["cases"]}, "report": str(path)}
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("docs/evidence"))
     parser.add_argument("--quick", action="store_true", help="skip the production case and use fewer inputs")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("mhc_cuda_check: error: CUDA is not available", file=sys.stderr)
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
+    check_writable(args.out, "--out", directory=True)
     torch.set_num_threads(1)  # the CPU oracle is many small elementwise ops
     cases = [c for c in CASES if not (args.quick and c.production)]
     summary = {"environment": environment("cuda")}
@@ -90,7 +91,7 @@ def main() -> int:
     step(summary, "acceptance_cpu", lambda: acceptance("cpu", args.out, cases))
     step(summary, "site_fwd_bwd_seconds_production", lambda: {
         "cuda": site_seconds("cuda", 3), "cpu_1_thread": site_seconds("cpu", 1)})
-    (args.out / "mhc_cuda_check.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_atomic(args.out / "mhc_cuda_check.json", json.dumps(summary, indent=1) + "\n", "--out")
     print(f"wrote {args.out / 'mhc_cuda_check.json'}")
     ok = all(summary[k].get("passed") for k in ("acceptance_cuda", "acceptance_cpu"))
     ok = ok and not any(summary["numerics_mismatches_cuda_vs_cpu"].values())  # an "error" entry counts
@@ -99,4 +100,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_guarded("mhc_cuda_check", main))

@@ -14,6 +14,7 @@ import torch
 from rl_engine.errors import UsageError
 from rl_engine.models.profiles import PROFILES
 from rl_engine.models.qwen3 import CONFIGS, get_config
+from rl_engine.outputs import atomic_path, check_writable, write_atomic
 
 # Models drawn on the CPU generator have their synthetic weight hash pinned in the manifest; the
 # 8B model is drawn directly on the target device (16 GB of bf16), so its hash is reported only.
@@ -149,6 +150,11 @@ def run(args) -> int:
     from rl_engine.invariance.plot import plot_abs_dlogp
     from rl_engine.workload.manifest import ManifestError, load_workload
 
+    json_path = Path(args.json) if args.json not in (None, "-") else None
+    if args.out is not None:
+        check_writable(args.out, "--out", directory=True)
+    if json_path is not None:
+        check_writable(json_path, "--json")
     device = _device(args.device)
     if device.type == "cpu":
         # Triton kernels run under the interpreter on a CPU; it must be set before they import.
@@ -177,18 +183,17 @@ def run(args) -> int:
     report["layers"] = config.num_layers
     tokens = report.pop("_tokens", None)
     stem = f"invariance_{args.profile}_{args.model}"
-    json_path = Path(args.json) if args.json not in (None, "-") else None
     plot_dir = args.out or (json_path.parent if json_path else None)
     if plot_dir is not None and not report["passed"] and tokens:
         title = f"{args.profile} on {config.name}: |Δ| per token"
         plot_name = f"{json_path.stem}.png" if json_path and args.out is None else f"{stem}.png"
-        report["plot"] = str(plot_abs_dlogp(tokens, plot_dir / plot_name, title))
+        with atomic_path(plot_dir / plot_name) as tmp:
+            plot_abs_dlogp(tokens, tmp, title)
+        report["plot"] = str(plot_dir / plot_name)
     text = json.dumps(report, indent=2)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"{stem}.json").write_text(text)
+        write_atomic(args.out / f"{stem}.json", text, "--out")
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(text)
+        write_atomic(json_path, text, "--json")
     print(text if args.json == "-" else _summary(report))
     return 0 if report["passed"] else 1

@@ -37,6 +37,7 @@ from rl_engine.mhc.contract import judgment_for
 from rl_engine.mhc.fixtures import GOLDEN_PATH, Case, build_inputs, load_golden, select_cases
 from rl_engine.mhc.provider import check_capability, resolve_provider
 from rl_engine.mhc.trace import boundaries_for, compare, tensor_sha256
+from rl_engine.outputs import check_writable, write_atomic
 
 
 def resolve_judgment(provider) -> tuple[dict | None, str]:
@@ -250,14 +251,15 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(1)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda requested but CUDA is not available")
+    if args.json:
+        check_writable(args.json, "--json")
     provider = resolve_provider(args.provider)
     cases = select_cases(args.cases)
     manifest = load_golden(args.golden)
     report = check_provider(provider, cases, args.device, manifest, not args.skip_batch_invariance,
                             provider_name=args.provider)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        write_atomic(args.json, json.dumps(report, indent=1) + "\n", "--json")
         print(f"report written to {args.json}")
     print(summary_line(report))
     return 0 if report["passed"] else 1

@@ -21,6 +21,7 @@ from rl_engine.errors import UsageError
 from rl_engine.mhc import oracle
 from rl_engine.mhc.contract import ControllerParams, LayerContract, NormParams, ResidualBatch
 from rl_engine.mhc.trace import describe
+from rl_engine.outputs import check_writable, write_atomic
 
 GOLDEN_PATH = Path(__file__).with_name("golden_hashes.json")
 GOLDEN_SCHEMA = "mhc-golden-v1"
@@ -94,11 +95,29 @@ def golden_row(case: Case, trace: dict[str, torch.Tensor]) -> dict:
 
 
 def load_golden(path: Path = GOLDEN_PATH) -> dict:
-    if not path.exists():
-        raise UsageError(f"golden manifest {path} not found; create it with `rl-engine mhc-golden --write`")
-    manifest = json.loads(path.read_text())
+    """The golden manifest at `path`, its shape checked: a broken file is a UsageError (one line), not
+    a KeyError halfway through a run."""
+    path = Path(path)
+    where = f"golden manifest {path}"
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{where} not found; create it with `rl-engine mhc-golden --write`") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{where}: cannot read ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise UsageError(f"{where}: expected a JSON object, got {type(manifest).__name__}")
     if manifest.get("schema") != GOLDEN_SCHEMA:
-        raise UsageError(f"golden manifest {path} has schema {manifest.get('schema')!r}, want {GOLDEN_SCHEMA!r}")
+        raise UsageError(f"{where} has schema {manifest.get('schema')!r}, want {GOLDEN_SCHEMA!r}")
+    cases = manifest.get("cases")
+    if not isinstance(cases, dict):
+        raise UsageError(f"{where}: 'cases' must be an object of case name -> row")
+    for name, row in cases.items():
+        row = row if isinstance(row, dict) else {}
+        boundaries = row.get("boundaries")
+        if not (isinstance(row.get("contract_fingerprint"), str) and isinstance(boundaries, dict)
+                and all(isinstance(b, dict) and isinstance(b.get("sha256"), str) for b in boundaries.values())):
+            raise UsageError(f"{where}: case {name!r} needs a contract_fingerprint and boundaries with a sha256 each")
     return manifest
 
 
@@ -135,12 +154,17 @@ def run(args: argparse.Namespace) -> int:
         # (measured 4 s vs 40 s at production geometry on a loaded 2-core machine). Bytes don't change.
         torch.set_num_threads(1)
     cases = select_cases(args.cases)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device: expected cpu or cuda[:N], got {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda requested but CUDA is not available")
-    if args.write and args.manifest.exists():
-        manifest = json.loads(args.manifest.read_text())
-    elif args.write:
-        manifest = {"schema": GOLDEN_SCHEMA, "cases": {}}
+    if args.write:
+        check_writable(args.manifest, "--manifest")
+        manifest = load_golden(args.manifest) if args.manifest.exists() else {"schema": GOLDEN_SCHEMA, "cases": {}}
     else:
         manifest = load_golden(args.manifest)
     manifest["schema"] = GOLDEN_SCHEMA
@@ -157,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
         manifest["cases"][case.name] = row
     if args.write:
         manifest["cases"] = {name: manifest["cases"][name] for name in CASES_BY_NAME if name in manifest["cases"]}
-        args.manifest.write_text(json.dumps(manifest, indent=1, sort_keys=False) + "\n")
+        write_atomic(args.manifest, json.dumps(manifest, indent=1, sort_keys=False) + "\n", "--manifest")
         print(f"wrote {args.manifest}")
         return 0
     return 1 if stale else 0

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from rl_engine.errors import UsageError
+from rl_engine.outputs import check_writable, write_atomic
 from rl_engine.parallel.canonical import SUPPORTED_WORLD_SIZES, ShardLayout
 from rl_engine.parallel.invariance import (
     ProblemSizes,
@@ -95,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and torch.cuda.device_count() < launch:
         raise UsageError(f"--world-sizes {args.world_sizes}: needs {launch} GPUs, found {torch.cuda.device_count()}")
     sizes = dataclasses.replace(PRESETS[args.preset], seed=args.seed)
+    if args.json:
+        check_writable(args.json, "--json")
 
     started = time.perf_counter()
     print(f"launching {launch} {args.backend} rank(s) on {args.device} for TP {world_sizes} ...", flush=True)
@@ -143,7 +146,6 @@ def run(args: argparse.Namespace) -> int:
             "launch_seconds": round(launched_s, 2),
             "results": report["results"],
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=1, default=float) + "\n")
+        write_atomic(args.json, json.dumps(doc, indent=1, default=float) + "\n", "--json")
         print(f"report: {args.json}")
     return 0 if passed else 1

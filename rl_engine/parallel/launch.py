@@ -4,13 +4,22 @@
 torch.multiprocessing (spawn), joins them through a file:// store in a fresh temporary directory
 (no TCP port to race for), calls `fn(rank, world_size, device, *args)` on each, and returns each
 rank's result (a dict of tensors, moved to the CPU) in rank order. A failure on any rank raises here.
+
+Interrupts belong to the launcher: the ranks ignore SIGINT (so Ctrl-C to the process group reaches
+only this process, not four tracebacks) and die with it (PR_SET_PDEATHSIG); any exception here
+(KeyboardInterrupt, SIGTERM as rl_engine.errors.Terminated) kills them before it propagates, instead
+of waiting for them at exit until the process-group timeout.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
+import signal
+import sys
 import tempfile
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -39,7 +48,15 @@ def _to_cpu(result):
     return result
 
 
+def _die_with_parent() -> None:
+    """The kernel kills this process when the launcher dies, even by SIGKILL (Linux only). torch sets
+    SIGINT for this, which the ranks ignore."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+
+
 def _worker(rank, world_size, backend, device, store_path, out_dir, fn, args, num_threads, timeout_s):
+    _die_with_parent()  # SIGINT is ignored (inherited): the launcher ends the ranks
     os.environ.update(COMMUNICATION_ENV)
     # One thread per rank: the ranks share the CPU, and every run (any TP) then uses the same CPU
     # kernels' work split, so a shard's bits cannot depend on how many processes are running.
@@ -64,6 +81,27 @@ def _worker(rank, world_size, backend, device, store_path, out_dir, fn, args, nu
         dist.destroy_process_group()
 
 
+@contextmanager
+def _children_ignore_sigint():
+    """Processes started inside ignore SIGINT from their first instruction: an ignored disposition is
+    the one that survives exec (a rank that set it itself would do so only after seconds of importing
+    torch, open to a group Ctrl-C and its traceback). SIGTERM keeps its default, a silent exit.
+    Meanwhile this thread blocks both, so no interrupt lands between starting the ranks and holding
+    them; on Linux a blocked signal stays pending even while ignored, and is delivered on unblocking."""
+    stop = {signal.SIGINT, signal.SIGTERM}
+    try:
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: the dispositions are not ours to change
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if handler is None else handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 def spawn_group(
     fn, world_size: int, *, backend: str = "gloo", device: str = "cpu", args: tuple = (),
     num_threads: int = 1, timeout_s: int = 300,
@@ -73,10 +111,30 @@ def spawn_group(
     if device == "cuda" and torch.cuda.device_count() < world_size:
         raise ValueError(f"world_size: {world_size} ranks need {world_size} GPUs, found {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory(prefix="rl_engine_tp_") as tmp:
-        mp.spawn(
-            _worker,
-            args=(world_size, backend, device, os.path.join(tmp, "store"), tmp, fn, args, num_threads, timeout_s),
-            nprocs=world_size,
-            join=True,
-        )
+        context = None
+        try:
+            with _children_ignore_sigint():
+                context = mp.start_processes(
+                    _worker,
+                    args=(world_size, backend, device, os.path.join(tmp, "store"), tmp, fn, args, num_threads,
+                          timeout_s),
+                    nprocs=world_size,
+                    join=False,
+                    start_method="spawn",
+                )
+            while not context.join():
+                pass
+        except BaseException:
+            if context is not None:  # a signal held back during the start is raised on leaving the `with`
+                _kill(context.processes)
+            raise
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def _kill(processes, timeout_s: float = 2.0) -> None:
+    """End every rank still running: nothing of theirs is worth a graceful shutdown once the run is abandoned."""
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    for process in processes:
+        process.join(timeout_s)

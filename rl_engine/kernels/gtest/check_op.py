@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from pathlib import Path
 
 import torch
 
@@ -17,6 +16,7 @@ from rl_engine.kernels.gtest.op_checks import GRAD_MODES, run_operator_suite
 from rl_engine.kernels.gtest.operator_inputs import INPUT_MODES, QWEN3_8B, OperatorDims
 from rl_engine.kernels.gtest.operator_specs import OP_SPECS, get_spec, make_candidate, make_operator_case
 from rl_engine.kernels.gtest.tolerance import DTYPES, ContractError, load_contract
+from rl_engine.outputs import check_writable, write_atomic
 
 # flag -> OperatorDims field; the defaults live in OperatorDims, so the flags default to None.
 DIM_FLAGS = {
@@ -95,6 +95,8 @@ def run(args) -> int:
     if args.list:
         print(list_operators())
         return 0
+    if args.json_out:
+        check_writable(args.json_out, "--json-out")
     if not args.op:
         raise UsageError(f"--op is required; valid ops: {', '.join(OP_SPECS)}")
     spec = get_spec(args.op)
@@ -133,9 +135,5 @@ def run(args) -> int:
         raise UsageError(str(exc)) from None
     print(report.to_json() if args.json else report.to_text())
     if args.json_out:
-        try:
-            Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json_out).write_text(report.to_json() + "\n")
-        except OSError as exc:
-            raise UsageError(f"--json-out {args.json_out}: cannot write ({exc.strerror or exc})") from None
+        write_atomic(args.json_out, report.to_json() + "\n", "--json-out")
     return 0 if report.passed else 1
