@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from rl_engine.kernels.registry import REGISTRY, Registry
-from rl_engine.models.profiles import OPS, ProfileOps, build_profile
 from rl_engine.models.decoder import DecoderModel
 from rl_engine.models.families import CONFIGS
+from rl_engine.models.profiles import OPS, ProfileOps, build_profile
 from rl_engine.models.weights import synthetic_weights
 from rl_engine.workload.manifest import load_workload
 

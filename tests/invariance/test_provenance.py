@@ -5,9 +5,9 @@ import torch
 
 from rl_engine.invariance.provenance import ProvenanceError, check_provenance, provenance_failures
 from rl_engine.kernels.registry import MissingImplementation, Registry
-from rl_engine.models.profiles import ProfileOps, get_profile
 from rl_engine.models.decoder import DecoderModel
 from rl_engine.models.families import CONFIGS
+from rl_engine.models.profiles import ProfileOps, get_profile
 from rl_engine.models.weights import synthetic_weights
 
 TINY = CONFIGS["tiny"]

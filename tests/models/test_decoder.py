@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from rl_engine.models.profiles import ProfileOps, get_profile
 from rl_engine.models.decoder import DecoderModel, KvCache
 from rl_engine.models.families import CONFIGS, get_config
+from rl_engine.models.profiles import ProfileOps, get_profile
 from rl_engine.models.weights import (
     check_hf_config,
     content_hash,
