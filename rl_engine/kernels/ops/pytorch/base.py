@@ -52,6 +52,13 @@ def expect_rank(name: str, tensor: torch.Tensor, rank: int, meaning: str) -> Non
         raise ValueError(f"{name}: expected shape {meaning} (rank {rank}), got {got}")
 
 
+def expect_float(name: str, tensor: torch.Tensor, meaning: str) -> None:
+    """Raise ValueError naming the input when `tensor` is not floating point (integer math would silently
+    truncate, e.g. rope's cos and sin)."""
+    if not tensor.is_floating_point():
+        raise ValueError(f"{name}: expected a floating-point tensor {meaning}, got dtype {tensor.dtype}")
+
+
 def expect_ids_in_range(name: str, ids: torch.Tensor, upper: int, meaning: str) -> None:
     if ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise ValueError(f"{name}: expected integer ids {meaning}, got dtype {ids.dtype}")

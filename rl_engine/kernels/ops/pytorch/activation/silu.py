@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.kernels.ops.pytorch.base import NativeOp, expect_rank
+from rl_engine.kernels.ops.pytorch.base import NativeOp, expect_float, expect_rank
 
 
 class NativeSiluOp(NativeOp):
@@ -12,6 +12,7 @@ class NativeSiluOp(NativeOp):
 
     def validate(self, *, x):
         expect_rank("x", x, 3, "[B,S,I]")
+        expect_float("x", x, "[B,S,I]")
 
     def forward(self, *, x):
         return x * torch.sigmoid(x)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.kernels.ops.pytorch.base import NativeOp, expect_rank, expect_shape
+from rl_engine.kernels.ops.pytorch.base import NativeOp, expect_float, expect_rank, expect_shape
 
 
 class NativeRmsNormOp(NativeOp):
@@ -16,6 +16,8 @@ class NativeRmsNormOp(NativeOp):
     def validate(self, *, x, weight):
         expect_rank("x", x, 3, "[B,S,H]")
         expect_shape("weight", weight, (x.shape[-1],), "[H]")
+        expect_float("x", x, "[B,S,H]")
+        expect_float("weight", weight, "[H]")
 
     def forward(self, *, x, weight):
         return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps) * weight

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.kernels.ops.pytorch.base import NativeOp, expect_rank, expect_shape
+from rl_engine.kernels.ops.pytorch.base import NativeOp, expect_float, expect_rank, expect_shape
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
@@ -39,6 +39,7 @@ class NativeRopeOp(NativeOp):
 
     def validate(self, *, x, positions):
         expect_rank("x", x, 4, "[B,S,Hh,D]")
+        expect_float("x", x, "[B,S,Hh,D]")
         b, s, _, d = x.shape
         if d % 2:
             raise ValueError(f"x: expected an even head dim D in [B,S,Hh,D], got D={d}")

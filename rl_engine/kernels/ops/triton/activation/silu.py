@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from rl_engine.kernels.ops.pytorch.activation.silu import NativeSiluOp
+from rl_engine.kernels.ops.pytorch.base import expect_float
 from rl_engine.kernels.ops.triton.runtime import cast_rne
 
 # Elements per program and warps: fixed, so a tensor's bits never depend on its size.
@@ -71,6 +72,7 @@ class _SiluFunction(torch.autograd.Function):
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     """x · sigmoid(x) for any shape; returns x's dtype."""
+    expect_float("x", x, "of any shape")
     return _SiluFunction.apply(x)
 
 

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from rl_engine.kernels.ops.pytorch.activation.swiglu import NativeSwigluOp
+from rl_engine.kernels.ops.pytorch.base import expect_float
 from rl_engine.kernels.ops.triton.runtime import cast_rne
 
 # Elements per program and warps: fixed, so a tensor's bits never depend on its size.
@@ -80,6 +81,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up for two tensors of one shape; returns gate's dtype."""
     if gate.shape != up.shape:
         raise ValueError(f"up: expected the shape of gate {tuple(gate.shape)}, got {tuple(up.shape)}")
+    expect_float("gate", gate, "of any shape")
+    expect_float("up", up, "of gate's shape")
     return _SwigluFunction.apply(gate, up)
 
 

@@ -158,7 +158,7 @@ class _EmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         (ids,) = ctx.saved_tensors
-        grad_rows = grad_out.reshape(ids.numel(), -1).contiguous()
+        grad_rows = grad_out.reshape(ids.numel(), grad_out.shape[-1]).contiguous()  # not -1: 0 tokens
         return None, embedding_backward(grad_rows, ids, ctx.vocab, ctx.weight_dtype)
 
 

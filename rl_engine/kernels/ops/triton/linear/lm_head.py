@@ -44,7 +44,7 @@ lm_head_op.register_autograd(_lm_head_backward, setup_context=_lm_head_setup_con
 def triton_lm_head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """logits[..., V] = hidden[..., H] @ weight[V,H]^T in hidden's dtype; differentiable."""
     lead = hidden.shape[:-1]
-    hidden2d = hidden.reshape(-1, hidden.shape[-1])
+    hidden2d = hidden.reshape(lead.numel(), hidden.shape[-1])  # not -1, ambiguous when H = 0
     if needs_custom_op(hidden, weight):
         logits = lm_head_op(hidden2d, weight)
     else:  # no autograd, no torch.compile: the GEMM alone, without the op's dispatch cost

@@ -423,7 +423,7 @@ def triton_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """out[..., :] = a[..., :] @ b for a of any leading shape [..., K] and b [K,N]; differentiable."""
     lead = a.shape[:-1]
     mm = batch_invariant_mm_op if needs_custom_op(a, b) else batch_invariant_mm
-    out = mm(a.reshape(-1, a.shape[-1]), b)
+    out = mm(a.reshape(lead.numel(), a.shape[-1]), b)  # not -1, ambiguous when K = 0
     return out.reshape(*lead, b.shape[1])
 
 

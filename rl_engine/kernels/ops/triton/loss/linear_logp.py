@@ -31,7 +31,7 @@ import triton.language as tl
 
 from rl_engine.kernels.ops.pytorch.base import expect_rank, expect_shape
 from rl_engine.kernels.ops.pytorch.loss.linear_logp import NativeLinearLogpOp
-from rl_engine.kernels.ops.triton.loss.logp import LOG2E, exp2_ftz
+from rl_engine.kernels.ops.triton.loss.logp import LOG2E, exp2_ftz, fold_lse, max_nan
 from rl_engine.kernels.ops.triton.runtime import cast_rne, dot_fp32, interpreting
 
 
@@ -123,9 +123,12 @@ def _partials_kernel(
         HAS_BIAS, BLOCK_T, BLOCK_V, BLOCK_H, EVEN_H, DOT_FP32, INPUT_PRECISION,
     )
     acc = tl.where((cols < V)[None, :], acc, float("-inf"))
-    tile_max = tl.max(acc, axis=1)  # finite: every tile holds at least one column < V
+    # NaN if any logit of the row's tile is NaN (fold_lse then makes the lse NaN); -inf if all are
+    # -inf (e.g. a -inf bias): then shift by 0, so that the sum is 0, not -inf - -inf = NaN.
+    tile_max = max_nan(acc, 1)
+    shift = tl.where(tile_max == float("-inf"), 0.0, tile_max)
     # exp(acc - max) as 2^(acc log2e - max log2e): one FFMA and one MUFU.EX2 per element.
-    tile_sum = tl.sum(exp2_ftz(acc * LOG2E - (tile_max * LOG2E)[:, None]), axis=1)
+    tile_sum = tl.sum(exp2_ftz(acc * LOG2E - (shift * LOG2E)[:, None]), axis=1)
     row_ok = rows < N
     rows64 = rows.to(tl.int64)
     tl.store(part_max_ptr + rows64 * num_vtiles + tile_v, tile_max, mask=row_ok)
@@ -148,9 +151,7 @@ def _combine_kernel(
     mask = offs < num_vtiles
     m = tl.load(part_max_ptr + row * num_vtiles + offs, mask=mask, other=float("-inf"))
     s = tl.load(part_sum_ptr + row * num_vtiles + offs, mask=mask, other=0.0)
-    row_max = tl.max(m, axis=0)
-    total = tl.sum(tl.where(s > 0, s * tl.exp(m - row_max), 0.0), axis=0)
-    lse = row_max + tl.log(total)
+    lse = fold_lse(m, s)  # tiles in vocabulary order, as logp folds its lanes; NaN and +inf as in logp
     tl.store(logp_ptr + row, tl.load(target_logit_ptr + row) - lse)
     tl.store(lse_ptr + row, lse)
 

@@ -51,21 +51,35 @@ else:
 
 
 @triton.jit
+def _maximum_nan(a, b):
+    # NaN-propagating max (PTX max.NaN.f32: the cost of max). tl.maximum and tl.max drop NaN on the
+    # GPU; the running maxima below keep it, so that a NaN logit makes the row's lse NaN.
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def max_nan(x, axis: tl.constexpr):
+    """tl.max(x, axis), except that a NaN anywhere along the axis gives NaN."""
+    return tl.reduce(x, axis, _maximum_nan)
+
+
+@triton.jit
 def _lane_update(m, s, x):
     # Lane-wise online logsumexp with one exp per element: if x raises the lane's max, rescale the
     # old sum by exp(m - x) and add 1; otherwise add exp(x - m). Both are exp(-|x - m|).
     # x = -inf (masked tail, or a masked-out vocabulary entry) adds 0, even on a lane still at -inf.
     e = tl.where(x == float("-inf"), 0.0, tl.exp(-tl.abs(x - m)))
+    # x = NaN makes s NaN; m keeps the NaN too, so that fold_lse can tell it from a +inf lane.
     grows = x > m
     s = tl.where(grows, s * e + 1.0, s + e)
-    m = tl.maximum(m, x)
+    m = _maximum_nan(m, x)
     return m, s
 
 
 @triton.jit
 def _block_update(m, s, x):
     # m: the row's running max (a scalar); s: lane sums relative to m. One cross-warp max per chunk.
-    m_new = tl.maximum(m, tl.max(x, axis=0))
+    m_new = _maximum_nan(m, max_nan(x, 0))  # NaN once any logit was NaN: then so is the lse
     # While the row is all -inf so far, shift by 0 (not -inf) so that -inf - shift stays -inf, not NaN.
     shift = tl.where(m_new == float("-inf"), 0.0, m_new) * LOG2E
     s = s * exp2_ftz(m * LOG2E - shift) + exp2_ftz(x * LOG2E - shift)
@@ -75,17 +89,21 @@ def _block_update(m, s, x):
 @triton.jit
 def _group_update(m, s, x):
     # x: [groups, G], each group one thread's contiguous vector; m, s: [groups] per-group state.
-    m_new = tl.maximum(m, tl.max(x, axis=1))
+    m_new = _maximum_nan(m, max_nan(x, 1))
     shift = tl.where(m_new == float("-inf"), 0.0, m_new) * LOG2E
     s = s * exp2_ftz(m * LOG2E - shift) + tl.sum(exp2_ftz(x * LOG2E - shift[:, None]), axis=1)
     return m_new, s
 
 
 @triton.jit
-def _fold(m, s):
+def fold_lse(m, s):
     # Lanes (or groups) -> the row's logsumexp, in an order fixed by the layout (not by the batch).
+    # Lanes that saw only -inf (s == 0) add 0, not 0 * exp(-inf - -inf) = NaN. A NaN lane (m and s
+    # NaN; tl.max skips it) adds NaN. A +inf lane adds 1: its s may be NaN from inf - inf, while the
+    # row's lse is +inf, as torch.logsumexp gives.
     row_max = tl.max(m, axis=0)
-    total = tl.sum(tl.where(s > 0, s * tl.exp(m - row_max), 0.0), axis=0)
+    part = tl.where(s == 0, 0.0, s * tl.exp(m - row_max))
+    total = tl.sum(tl.where(m == float("inf"), 1.0, part), axis=0)
     return row_max + tl.log(total)
 
 
@@ -127,9 +145,10 @@ def _logp_forward_kernel(
         else:
             m, s = _lane_update(m, s, x)
     if ALGO == "block":
-        lse = m + tl.log(tl.sum(s, axis=0))
+        # m = +inf: every lane is NaN (inf - inf) but lse is +inf; m = NaN: lse is NaN.
+        lse = tl.where(m == float("inf"), m, m + tl.log(tl.sum(s, axis=0)))
     else:
-        lse = _fold(m, s)
+        lse = fold_lse(m, s)
     # Ids are not range-checked on the host (that would synchronize); an id outside [0, V) gives NaN.
     target = tl.load(target_ptr + row).to(tl.int64)
     valid = (target >= 0) & (target < V)

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rl_engine.kernels.ops.pytorch.base import expect_float
 from rl_engine.kernels.ops.pytorch.norm.rms_norm import NativeRmsNormOp
 from rl_engine.kernels.ops.triton.runtime import cast_rne
 
@@ -144,6 +145,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     """RMSNorm over the last dim of x [..., H] with weight [H]; returns x's dtype."""
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"weight: expected shape [H] = ({x.shape[-1]},), got {tuple(weight.shape)}")
+    expect_float("x", x, "[..., H]")
+    expect_float("weight", weight, "[H]")
     if not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled()):
         # Without autograd: the kernel alone, no autograd.Function (its host cost shows at small shapes).
         y, _ = rms_norm_forward(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), eps)

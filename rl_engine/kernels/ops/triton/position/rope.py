@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from rl_engine.kernels.ops.pytorch.base import expect_float
 from rl_engine.kernels.ops.pytorch.position.rope import NativeRopeOp
 from rl_engine.kernels.ops.triton.runtime import cast_rne, interpreting
 
@@ -143,6 +144,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 1e6,
         )
     if positions.is_floating_point():
         raise ValueError(f"positions: expected integer positions, got dtype {positions.dtype}")
+    expect_float("x", x, "[..., Hh, D]")
     x, positions = x.contiguous(), positions.contiguous()  # no copy when already contiguous
     inv_freq = cached_inv_freq(x.shape[-1], theta, x.device) if inv_freq is None else inv_freq.contiguous()
     if not (x.requires_grad and torch.is_grad_enabled()):
