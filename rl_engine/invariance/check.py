@@ -1,10 +1,12 @@
 """`rl-engine check-invariance`: config invariance, accuracy, gradients and train/infer parity of a
-Qwen3 model under one backend profile. Exit 0 passed, 1 failed, 2 usage or configuration error."""
+decoder (any supported family) under one backend profile. Exit 0 passed, 1 failed, 2 usage or
+configuration error."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -12,20 +14,23 @@ from pathlib import Path
 import torch
 
 from rl_engine.errors import UsageError
+from rl_engine.models.families import CONFIGS, get_config
 from rl_engine.models.profiles import PROFILES
-from rl_engine.models.qwen3 import CONFIGS, get_config
 from rl_engine.outputs import atomic_path, check_writable, write_atomic
 
-# Models drawn on the CPU generator have their synthetic weight hash pinned in the manifest; the
-# 8B model is drawn directly on the target device (16 GB of bf16), so its hash is reported only.
-CPU_DRAWN_MODELS = ("tiny",)
+# Models whose manifest entry pins a synthetic weight hash (the tiny ones) are drawn on the CPU
+# generator; the others are drawn directly on the target device (16 GB of bf16 for an 8B), so their
+# hash is reported only.
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--profile", required=True, choices=sorted(PROFILES), help="backend profile to check")
-    parser.add_argument("--model", default="tiny", choices=sorted(CONFIGS), help="model config")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--model", choices=sorted(CONFIGS),
+                       help="named model config (default: the one of --weights-path's config.json, else tiny)")
+    model.add_argument("--config", type=Path, help="a Hugging Face config.json (or its dir) to build the model from")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--weights-path", type=Path, help="Hugging Face Qwen3 checkpoint dir (default: synthetic)")
+    parser.add_argument("--weights-path", type=Path, help="Hugging Face checkpoint dir (default: synthetic weights)")
     parser.add_argument("--layers", type=int, help="run only the first N decoder layers (for time)")
     parser.add_argument("--manifest", type=Path, help="workload manifest (default: the packaged one)")
     parser.add_argument("--no-gradients", action="store_true", help="skip the gradient invariance checks")
@@ -65,6 +70,19 @@ def _progress(enabled: bool):
     return bar
 
 
+def _config(args):
+    """(config, pinned): a named config is pinned in the manifest; one read from a config.json is not."""
+    from rl_engine.models.weights import load_hf_config
+
+    path = args.config if args.config is not None else (args.weights_path if args.model is None else None)
+    if path is None:
+        return get_config(args.model or "tiny"), True
+    try:
+        return load_hf_config(path), False
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _load_weights(args, config, workload, device) -> tuple[dict, dict]:
     from rl_engine.models.weights import HASH_ALGORITHM, content_hash, load_hf_checkpoint, synthetic_weights
 
@@ -75,7 +93,7 @@ def _load_weights(args, config, workload, device) -> tuple[dict, dict]:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         info = {"source": str(args.weights_path)}
-    elif args.model in CPU_DRAWN_MODELS:
+    elif workload.weight_hash is not None:
         weights = {n: t.to(device) for n, t in synthetic_weights(config, workload.weight_seed).items()}
         info = {"source": "synthetic (cpu generator)", "seed": workload.weight_seed}
     else:
@@ -83,7 +101,7 @@ def _load_weights(args, config, workload, device) -> tuple[dict, dict]:
         info = {"source": f"synthetic ({device.type} generator)", "seed": workload.weight_seed}
     info["content_hash"] = content_hash(weights)
     info["hash_algorithm"] = HASH_ALGORITHM
-    if args.weights_path is None and args.model in CPU_DRAWN_MODELS and args.layers is None:
+    if args.weights_path is None and workload.weight_hash is not None and args.layers is None:
         info["pinned_hash_matches"] = info["content_hash"] == workload.weight_hash
         if not info["pinned_hash_matches"]:
             raise UsageError(f"synthetic weights hash {info['content_hash']} != pinned {workload.weight_hash}")
@@ -159,9 +177,9 @@ def run(args) -> int:
     if device.type == "cpu":
         # Triton kernels run under the interpreter on a CPU; it must be set before they import.
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    config = get_config(args.model)
+    config, pinned = _config(args)
     try:
-        workload = load_workload(config, args.manifest)
+        workload = load_workload(config, args.manifest, pinned=pinned)
     except ManifestError as exc:
         raise UsageError(str(exc)) from None
     if args.layers is not None:
@@ -182,7 +200,7 @@ def run(args) -> int:
     report["weights"] = weight_info
     report["layers"] = config.num_layers
     tokens = report.pop("_tokens", None)
-    stem = f"invariance_{args.profile}_{args.model}"
+    stem = f"invariance_{args.profile}_{re.sub(r'[^A-Za-z0-9._-]', '_', config.name.split('[')[0])}"
     plot_dir = args.out or (json_path.parent if json_path else None)
     if plot_dir is not None and not report["passed"] and tokens:
         title = f"{args.profile} on {config.name}: |Δ| per token"

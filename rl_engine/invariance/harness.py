@@ -27,8 +27,9 @@ import torch
 
 from rl_engine.invariance.parity import bitwise_parity, parity_aggregates
 from rl_engine.invariance.provenance import node_table, provenance_failures
+from rl_engine.models.config import ModelConfig
+from rl_engine.models.decoder import DecoderModel, KvCache
 from rl_engine.models.profiles import ProfileOps, get_profile
-from rl_engine.models.qwen3 import KvCache, Qwen3Config, Qwen3Model
 from rl_engine.workload.layouts import Sample, chunk, pack, pad, permute, restore
 from rl_engine.workload.manifest import Cell, Workload
 
@@ -39,8 +40,8 @@ ACCURACY_RULE = f"max|cand-ref| <= {ACCURACY_K} * max|torch_bf16-ref| + {ACCURAC
 WEIGHT_GRAD_NAMES = ("model.norm.weight", "lm_head.weight", "model.layers.0.self_attn.q_proj.weight")
 
 
-def build_model(config: Qwen3Config, weights: dict, profile_name: str) -> Qwen3Model:
-    return Qwen3Model(config, weights, ProfileOps(get_profile(profile_name)))
+def build_model(config: ModelConfig, weights: dict, profile_name: str) -> DecoderModel:
+    return DecoderModel(config, weights, ProfileOps(get_profile(profile_name)))
 
 
 def _sync(device):
@@ -62,7 +63,7 @@ def layout_of(group: list[Sample], cell: Cell, pad_id: int):
     return pad(group, "left" if cell.layout == "pad_left" else "right", pad_id)
 
 
-def _forward_logp(model: Qwen3Model, layout, chunk_size: int | None, embeds=None):
+def _forward_logp(model: DecoderModel, layout, chunk_size: int | None, embeds=None):
     if chunk_size is None:
         hidden = model.forward(
             layout.token_ids,
@@ -83,7 +84,7 @@ def _forward_logp(model: Qwen3Model, layout, chunk_size: int | None, embeds=None
     return torch.cat(parts, dim=1)
 
 
-def run_cell(model: Qwen3Model, workload: Workload, cell: Cell, device) -> dict[int, torch.Tensor]:
+def run_cell(model: DecoderModel, workload: Workload, cell: Cell, device) -> dict[int, torch.Tensor]:
     """sample id -> fp32 logprobs [L-1] on the CPU; entry p is log P(token p+1 | tokens <= p)."""
     pieces = []
     with torch.no_grad():
@@ -124,7 +125,7 @@ def active_mask(keys: torch.Tensor, workload: Workload) -> torch.Tensor:
     return mask
 
 
-def input_gradients(model: Qwen3Model, workload: Workload, cell: Cell, device) -> dict[int, torch.Tensor]:
+def input_gradients(model: DecoderModel, workload: Workload, cell: Cell, device) -> dict[int, torch.Tensor]:
     """sample id -> d(sum of active logprobs)/d(embedding output), [L, H] in the activation dtype."""
     if cell.chunked:
         raise ValueError(f"cell {cell.name}: input gradients are taken on unchunked cells only")
@@ -152,7 +153,7 @@ def compare_gradients(candidate: dict, canonical: dict) -> dict:
     return {"bitwise": mismatched == 0, "mismatched_tokens": mismatched, "tokens": total, "max_abs_diff": max_abs}
 
 
-def weight_gradients(model: Qwen3Model, workload: Workload, device) -> dict[str, torch.Tensor]:
+def weight_gradients(model: DecoderModel, workload: Workload, device) -> dict[str, torch.Tensor]:
     cell = workload.canonical
     names = [n for n in WEIGHT_GRAD_NAMES if n in model.w]
     for n in names:
@@ -172,7 +173,7 @@ def weight_gradients(model: Qwen3Model, workload: Workload, device) -> dict[str,
 # -- train/infer parity ---------------------------------------------------------------------------
 
 
-def run_infer(model: Qwen3Model, workload: Workload, batching: str, device) -> dict[int, torch.Tensor]:
+def run_infer(model: DecoderModel, workload: Workload, batching: str, device) -> dict[int, torch.Tensor]:
     """sample id -> fp32 logprobs of its completion tokens (positions prompt_len .. L-1), by decode."""
     groups = [[s] for s in workload.samples] if batching == "b1" else [list(workload.samples)]
     out: dict[int, list] = {}
@@ -252,7 +253,7 @@ def _timed_canonical(model, workload, device, warmup: bool = False) -> tuple[dic
 
 
 def run_harness(
-    config: Qwen3Config,
+    config: ModelConfig,
     weights: dict,
     workload: Workload,
     profile_name: str,
@@ -260,13 +261,14 @@ def run_harness(
     *,
     gradients: bool = True,
     progress: Callable | None = None,
-    model: Qwen3Model | None = None,
+    model: DecoderModel | None = None,
 ) -> dict:
     """Run every check for one profile; returns the report (JSON-ready, plus `_tokens` for plots)."""
     model = model if model is not None else build_model(config, weights, profile_name)
     report = {
         "profile": profile_name,
         "model": config.name,
+        "family": config.family,
         "config_fingerprint": config.fingerprint(),
         "fixture_hash": workload.fixture_hash,
         **_environment(device),

@@ -1,8 +1,9 @@
-"""Qwen3 weights: synthetic from a seed, or a Hugging Face checkpoint directory (safetensors).
+"""Model weights: synthetic from a seed, or a Hugging Face checkpoint directory (safetensors).
 
 Synthetic tensors are drawn per name (seed mixed with the tensor's name), so the first N layers of
 a truncated model (`--layers N`) are the same tensors as in the full one. Linear weights are
-N(0, 1/fan_in) (activations stay O(1) through depth), embeddings N(0, 1), norm weights 1 + N(0, 0.05²).
+N(0, 1/fan_in) (activations stay O(1) through depth), embeddings N(0, 1), norm weights 1 + N(0, 0.05²),
+biases N(0, 0.1²).
 
 The content hash runs where the tensors live: each tensor's raw bits, as integers, enter a
 position-weighted sum modulo the prime 2^31 - 1 under two multipliers (exact int64 arithmetic, so
@@ -19,7 +20,9 @@ from pathlib import Path
 
 import torch
 
-from rl_engine.models.qwen3 import Qwen3Config
+from rl_engine.models.config import ModelConfig, RopeScaling
+from rl_engine.models.families import family_for_model_type, get_family
+from rl_engine.models.hf_fields import LLAMA3_KEYS, REQUIRED
 
 HASH_ALGORITHM = "bits-weighted-sum-mod-2^31-1-x2/sha256-v1"
 _PRIME = 2**31 - 1
@@ -27,24 +30,33 @@ _MULTIPLIERS = (2654435761, 2246822519)
 _CHUNK = 1 << 24
 
 
-def weight_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
-    c = config
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size)}
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape, for the tensors the family's recipe uses."""
+    c, family = config, get_family(config.family)
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    layer = {
+        "input_norm": (c.hidden_size,),
+        "q_proj": (q, c.hidden_size),
+        "k_proj": (kv, c.hidden_size),
+        "v_proj": (kv, c.hidden_size),
+        "q_bias": (q,),
+        "k_bias": (kv,),
+        "v_bias": (kv,),
+        "q_norm": (c.head_dim,),
+        "k_norm": (c.head_dim,),
+        "o_proj": (c.hidden_size, q),
+        "post_norm": (c.hidden_size,),
+        "gate_proj": (c.intermediate_size, c.hidden_size),
+        "up_proj": (c.intermediate_size, c.hidden_size),
+        "down_proj": (c.hidden_size, c.intermediate_size),
+    }
+    names = family.hf_names
+    shapes = {names["embed"]: (c.vocab_size, c.hidden_size)}
     for i in range(c.num_layers):
-        p = f"model.layers.{i}"
-        shapes[f"{p}.input_layernorm.weight"] = (c.hidden_size,)
-        shapes[f"{p}.self_attn.q_proj.weight"] = (c.num_heads * c.head_dim, c.hidden_size)
-        shapes[f"{p}.self_attn.k_proj.weight"] = (c.num_kv_heads * c.head_dim, c.hidden_size)
-        shapes[f"{p}.self_attn.v_proj.weight"] = (c.num_kv_heads * c.head_dim, c.hidden_size)
-        shapes[f"{p}.self_attn.o_proj.weight"] = (c.hidden_size, c.num_heads * c.head_dim)
-        shapes[f"{p}.self_attn.q_norm.weight"] = (c.head_dim,)
-        shapes[f"{p}.self_attn.k_norm.weight"] = (c.head_dim,)
-        shapes[f"{p}.post_attention_layernorm.weight"] = (c.hidden_size,)
-        shapes[f"{p}.mlp.gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
-        shapes[f"{p}.mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
-        shapes[f"{p}.mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
-    shapes["model.norm.weight"] = (c.hidden_size,)
-    shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+        shapes.update({names[role].format(i=i): layer[role] for role in family.roles(config)})
+    shapes[names["final_norm"]] = (c.hidden_size,)
+    if not c.tie_word_embeddings:
+        shapes[names["lm_head"]] = (c.vocab_size, c.hidden_size)
     return shapes
 
 
@@ -52,16 +64,19 @@ def _name_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:7], "little")
 
 
-def synthetic_weights(config: Qwen3Config, seed: int, *, device="cpu", dtype=torch.bfloat16) -> dict:
+def synthetic_weights(config: ModelConfig, seed: int, *, device="cpu", dtype=torch.bfloat16) -> dict:
     """Weights drawn on `device` with its own generator (CPU and CUDA draws differ; the hash says which)."""
     device = torch.device(device)
+    embed = get_family(config.family).hf_names["embed"]
     weights = {}
     for name, shape in weight_shapes(config).items():
         gen = torch.Generator(device=device).manual_seed(_name_seed(seed, name))
         t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
         if name.endswith("norm.weight"):
             t = 1.0 + 0.05 * t
-        elif name != "model.embed_tokens.weight":
+        elif name.endswith(".bias"):
+            t = 0.1 * t
+        elif name != embed:
             t = t * shape[1] ** -0.5
         weights[name] = t.to(dtype)
     return weights
@@ -96,139 +111,102 @@ def content_hash(weights: dict) -> str:
 
 # -- Hugging Face checkpoints ---------------------------------------------------------------------
 #
-# A config.json field either sets the math, and then rl_engine accepts only the values it implements
-# (HF_MATH_FIELDS), or is known not to touch the logprobs of given tokens (HF_INERT_FIELDS). Every
-# other field is refused, fail closed: a transformers release or a fine-tune may add a key that
-# changes the function (a bias, a RoPE scaling, a quantization), and dropping it silently gives
-# wrong numbers with no error. The key set is that of transformers.Qwen3Config plus the published
-# Qwen/Qwen3-8B config.json (a test keeps the two in step).
-
-REQUIRED = object()  # a field that must be present: no default would be right
+# Each family declares which config.json fields set the math (and the values rl_engine computes) and
+# which cannot change it (rl_engine/models/hf_fields.py); every other field is refused, fail closed.
 
 
 class CheckpointError(ValueError):
     """A checkpoint rl_engine cannot load faithfully; the message is one line naming the file."""
 
 
-def _same(value, accepted) -> bool:
-    """== that keeps JSON booleans apart from numbers (true is not 1)."""
-    return isinstance(value, bool) == isinstance(accepted, bool) and value == accepted
+def _normalised(hf: dict) -> dict:
+    """One spelling of RoPE: transformers >= 5 keeps rope_theta inside rope_parameters, and < 5 calls
+    rope_parameters rope_scaling; whichever of the two is given is checked under both names."""
+    hf = dict(hf)
+    if hf.get("rope_parameters") is None and hf.get("rope_scaling") is not None:
+        hf["rope_parameters"] = hf["rope_scaling"]
+    elif hf.get("rope_scaling") is None and hf.get("rope_parameters") is not None:
+        hf["rope_scaling"] = hf["rope_parameters"]
+    rope = hf.get("rope_parameters")
+    if "rope_theta" not in hf and isinstance(rope, dict) and "rope_theta" in rope:
+        hf["rope_theta"] = rope["rope_theta"]
+    return hf
 
 
-def _one_of(*accepted):
-    def check(value, config):
-        return None if any(_same(value, a) for a in accepted) else " or ".join(json.dumps(a) for a in accepted)
-
-    return check
-
-
-def _ours(attr):
-    def check(value, config):
-        ours = getattr(config, attr)
-        return None if _same(value, ours) else f"{ours!r} for {config.name}"
-
-    return check
-
-
-def _layers(value, config):
-    # A truncated config (--layers N) loads the first N layers of a deeper checkpoint.
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= config.num_layers
-    return None if ok else f">= {config.num_layers} for {config.name}"
-
-
-def _default_rope(value, config):
-    """Plain RoPE with our theta over the whole head (no YaRN, linear, dynamic, llama3, partial rotary)."""
-    expected = f'null or {{"rope_type": "default", "rope_theta": {config.rope_theta}}}'
-    if value is None:
-        return None
-    if not isinstance(value, dict) or set(value) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}:
-        return expected
-    kinds_ok = value.get("rope_type", "default") == "default" and value.get("type", "default") == "default"
-    theta_ok = _same(value.get("rope_theta", config.rope_theta), config.rope_theta)
-    rotary_ok = _same(value.get("partial_rotary_factor", 1.0), 1.0)
-    return None if kinds_ok and theta_ok and rotary_ok else expected
-
-
-def _full_attention_layers(value, config):
-    ok = value is None or (isinstance(value, list) and all(t == "full_attention" for t in value))
-    return None if ok else 'null or a list of "full_attention"'
-
-
-# field -> (value transformers assumes when the field is absent, or REQUIRED; check(value, config)
-# returning None when rl_engine computes that value, else what it accepts; why the field matters).
-HF_MATH_FIELDS = {
-    "model_type": (REQUIRED, _one_of("qwen3"), "the decoder family"),
-    "vocab_size": (REQUIRED, _ours("vocab_size"), "embedding and lm_head rows"),
-    "hidden_size": (REQUIRED, _ours("hidden_size"), "model width"),
-    "intermediate_size": (REQUIRED, _ours("intermediate_size"), "MLP width"),
-    "num_hidden_layers": (REQUIRED, _layers, "depth"),
-    "num_attention_heads": (REQUIRED, _ours("num_heads"), "query heads"),
-    "num_key_value_heads": (REQUIRED, _ours("num_kv_heads"), "key/value heads (GQA)"),
-    "head_dim": (REQUIRED, _ours("head_dim"), "head width (older configs derive it; we do not guess)"),
-    "rms_norm_eps": (1e-6, _ours("rms_norm_eps"), "RMSNorm epsilon"),
-    "rope_theta": (10000.0, _ours("rope_theta"), "RoPE base (transformers' default when absent)"),
-    "rope_parameters": (None, _default_rope, "RoPE type; only default RoPE is implemented"),
-    "rope_scaling": (None, _default_rope, "RoPE scaling (YaRN, linear, ...) is not implemented"),
-    "partial_rotary_factor": (1.0, _one_of(1.0), "RoPE over part of the head is not implemented"),
-    "hidden_act": ("silu", _one_of("silu"), "the MLP is SwiGLU"),
-    "attention_bias": (False, _one_of(False), "q/k/v/o biases are not implemented"),
-    "mlp_bias": (False, _one_of(False), "MLP biases are not implemented"),
-    "tie_word_embeddings": (False, _one_of(False), "a tied lm_head is not supported yet"),
-    "use_sliding_window": (False, _one_of(False), "sliding-window attention is not implemented"),
-    "layer_types": (None, _full_attention_layers, "sliding-attention layers are not implemented"),
-    # Dropout acts only in training mode in transformers, and rl_engine has none: a trainer that
-    # honoured it would compute other logprobs than the rollout, the mismatch rl_engine exists to remove.
-    "attention_dropout": (0.0, _one_of(0.0), "rl_engine computes attention without dropout"),
-    "quantization_config": (None, _one_of(None), "quantized weights are not implemented"),
-    "is_encoder_decoder": (False, _one_of(False), "Qwen3 is a decoder only"),
-}
-
-# field -> why it cannot change the logprobs of given tokens.
-HF_INERT_FIELDS = {
-    "architectures": "names the transformers class; model_type is checked",
-    "transformers_version": "provenance",
-    "torch_dtype": "storage dtype: weights are cast to the profile's dtype and hashed",
-    "dtype": "storage dtype (transformers >= 5 name of torch_dtype)",
-    "use_cache": "a generation switch",
-    "bos_token_id": "a generation token id",
-    "eos_token_id": "a generation token id",
-    "pad_token_id": "a generation token id",
-    "initializer_range": "initialisation only",
-    "max_position_embeddings": "default RoPE has no length-dependent term; positions are computed",
-    "sliding_window": "read only when use_sliding_window is true, which is refused",
-    "max_window_layers": "read only when use_sliding_window is true, which is refused",
-    "_name_or_path": "provenance",
-    "id2label": "classification heads only",
-    "label2id": "classification heads only",
-    "problem_type": "classification heads only",
-    "output_hidden_states": "what transformers returns, not what it computes",
-    "output_attentions": "what transformers returns, not what it computes",
-    "return_dict": "what transformers returns, not what it computes",
-    "chunk_size_feed_forward": "the Qwen3 MLP does not read it",
-}
-
-
-def check_hf_config(hf, config: Qwen3Config, source: str = "config.json") -> None:
+def check_hf_config(hf, config: ModelConfig, source: str = "config.json") -> None:
     """Raise CheckpointError, one line naming `source` and every field rl_engine would not compute as stated."""
     if not isinstance(hf, dict):
         raise CheckpointError(f"{source}: expected a JSON object, got a {type(hf).__name__}")
-    if "rope_theta" not in hf and isinstance(hf.get("rope_parameters"), dict) and "rope_theta" in hf["rope_parameters"]:
-        hf = {**hf, "rope_theta": hf["rope_parameters"]["rope_theta"]}  # transformers >= 5 keeps it there
+    family = get_family(config.family)
+    given, hf = hf, _normalised(hf)
     wrong = []
-    for field, (default, check, why) in HF_MATH_FIELDS.items():
+    for field, (default, check, why) in family.hf_math_fields.items():
         if field not in hf and default is REQUIRED:
             wrong.append(f"{field} missing ({why})")
             continue
         value = hf.get(field, default)
         expected = check(value, config)
         if expected is not None:
-            shown = json.dumps(value, default=str) + ("" if field in hf else " (absent)")
+            shown = json.dumps(value, default=str) + ("" if field in given else " (absent)")
             wrong.append(f"{field}={shown} (expected {expected}: {why})")
-    unknown = sorted(set(hf) - set(HF_MATH_FIELDS) - set(HF_INERT_FIELDS))
+    unknown = sorted(set(hf) - set(family.hf_math_fields) - set(family.hf_inert_fields))
     if unknown:
         wrong.append(f"unknown fields {', '.join(unknown)} (refused: they may change the math)")
     if wrong:
         raise CheckpointError(f"{source}: not loadable as {config.name}: " + "; ".join(wrong))
+
+
+def _number(value):
+    """JSON ints and floats as float (1000000 and 1e6 are one theta); anything else as is, for the checks."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+def config_from_hf(hf, name: str, source: str = "config.json") -> ModelConfig:
+    """The ModelConfig a config.json describes, when rl_engine computes exactly that model; else CheckpointError."""
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{source}: expected a JSON object, got a {type(hf).__name__}")
+    family = family_for_model_type(hf.get("model_type"))
+    if family is None:
+        from rl_engine.models.families import FAMILIES
+
+        supported = sorted(t for f in FAMILIES.values() for t in f.model_types)
+        shown = json.dumps(hf.get("model_type"), default=str)
+        raise CheckpointError(f"{source}: model_type={shown} is not a supported family (expected one of {supported})")
+    fields = family.hf_math_fields
+    missing = [f"{f} missing ({why})" for f, (default, _, why) in fields.items() if default is REQUIRED and f not in hf]
+    if missing:
+        raise CheckpointError(f"{source}: not loadable as {family.name}: " + "; ".join(missing))
+    norm = _normalised(hf)
+
+    def get(field):
+        return norm.get(field, fields[field][0])
+
+    try:
+        rope = norm.get("rope_parameters")
+        scaling = None
+        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "llama3":
+            scaling = RopeScaling(*(_number(rope.get(k)) for k in LLAMA3_KEYS[:3]), rope.get(LLAMA3_KEYS[3]))
+        hidden, heads, head_dim = get("hidden_size"), get("num_attention_heads"), get("head_dim")
+        config = ModelConfig(
+            name=name,
+            family=family.name,
+            vocab_size=get("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=get("intermediate_size"),
+            num_layers=get("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=get("num_key_value_heads"),
+            head_dim=head_dim if head_dim is not None else hidden // heads,  # transformers' rule
+            rms_norm_eps=_number(get("rms_norm_eps")),
+            rope_theta=_number(get("rope_theta")),
+            tie_word_embeddings=get("tie_word_embeddings"),
+            rope_scaling=scaling,
+        )
+        family.check(config)
+    except (TypeError, ValueError, ZeroDivisionError) as exc:
+        raise CheckpointError(f"{source}: not loadable as {family.name}: {_one_line(exc)}") from None
+    check_hf_config(hf, config, source)
+    return config
 
 
 def _one_line(exc: Exception) -> str:
@@ -237,7 +215,7 @@ def _one_line(exc: Exception) -> str:
 
 def read_hf_config(config_file: Path) -> dict:
     try:
-        hf = json.loads(config_file.read_text())
+        hf = json.loads(Path(config_file).read_text())
     except (OSError, ValueError) as exc:  # ValueError: invalid JSON or bytes that are not UTF-8
         raise CheckpointError(f"{config_file}: not a readable JSON file ({_one_line(exc)})") from None
     if not isinstance(hf, dict):
@@ -245,11 +223,25 @@ def read_hf_config(config_file: Path) -> dict:
     return hf
 
 
-def load_hf_checkpoint(path, config: Qwen3Config, *, device="cpu", dtype=None) -> dict:
-    """Load a Qwen3 checkpoint directory (config.json + *.safetensors), after checking its config.
+def load_hf_config(path) -> ModelConfig:
+    """The ModelConfig of a config.json file, or of a checkpoint directory's config.json.
+
+    Its name is the directory's name for a config.json (Qwen3-1.7B/config.json -> "Qwen3-1.7B"), else the file's stem.
+    """
+    path = Path(path)
+    config_file = path if path.is_file() or path.suffix == ".json" else path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path}: no such file" if config_file == path else f"{path} has no config.json")
+    stem = config_file.parent.resolve().name if config_file.name == "config.json" else config_file.stem
+    return config_from_hf(read_hf_config(config_file), stem or "config", source=str(config_file))
+
+
+def load_hf_checkpoint(path, config: ModelConfig, *, device="cpu", dtype=None) -> dict:
+    """Load a checkpoint directory (config.json + *.safetensors) for `config`, after checking its config.
 
     A tensor the model does not use is refused rather than dropped (a bias would change the math),
-    except the layers beyond a truncated config's depth.
+    except the layers beyond a truncated config's depth. A tied model's file may still hold lm_head:
+    transformers then ignores it, and so do we, but only when it equals the embedding bit for bit.
     """
     from safetensors import SafetensorError, safe_open
 
@@ -259,9 +251,10 @@ def load_hf_checkpoint(path, config: Qwen3Config, *, device="cpu", dtype=None) -
         raise CheckpointError(f"weights_path: {path} has no config.json")
     hf = read_hf_config(config_file)
     check_hf_config(hf, config, source=str(config_file))
+    names = get_family(config.family).hf_names
     wanted = weight_shapes(config)
-    known = weight_shapes(replace(config, num_layers=hf["num_hidden_layers"]))
-    weights = {}
+    known = weight_shapes(replace(config, num_layers=hf["num_hidden_layers"], tie_word_embeddings=False))
+    weights, tied_head = {}, None
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"weights_path: {path} has no *.safetensors files")
@@ -270,11 +263,13 @@ def load_hf_checkpoint(path, config: Qwen3Config, *, device="cpu", dtype=None) -
             with safe_open(str(file), framework="pt", device=str(device)) as f:
                 for name in f.keys():
                     if name not in known:
-                        raise CheckpointError(f"{file}: tensor {name} is not part of a Qwen3 model rl_engine "
-                                              "computes (refused rather than dropped)")
+                        raise CheckpointError(f"{file}: tensor {name} is not part of a {config.family} model "
+                                              "rl_engine computes (refused rather than dropped)")
                     if name in wanted:
                         t = f.get_tensor(name)
                         weights[name] = t if dtype is None else t.to(dtype)
+                    elif name == names["lm_head"] and config.tie_word_embeddings:
+                        tied_head = (file, f.get_tensor(name))
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{file}: not a readable safetensors file ({_one_line(exc)})") from None
     missing = [n for n in wanted if n not in weights]
@@ -283,4 +278,10 @@ def load_hf_checkpoint(path, config: Qwen3Config, *, device="cpu", dtype=None) -
     for name, shape in wanted.items():
         if tuple(weights[name].shape) != shape:
             raise CheckpointError(f"weights_path: {name} has shape {tuple(weights[name].shape)}, expected {shape}")
+    if tied_head is not None:
+        file, head = tied_head
+        embed = weights[names["embed"]]
+        if head.shape != embed.shape or not torch.equal(head.to(embed.dtype), embed):
+            raise CheckpointError(f"{file}: tensor {names['lm_head']} differs from {names['embed']} although "
+                                  "tie_word_embeddings is true (transformers would ignore it)")
     return weights

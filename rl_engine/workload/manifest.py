@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from rl_engine.models.qwen3 import Qwen3Config
+from rl_engine.models.config import ModelConfig
 from rl_engine.workload.layouts import Sample
 
 MANIFEST_PATH = Path(__file__).with_name("manifest.json")
@@ -92,10 +92,13 @@ def _require(raw: dict, key: str, where: str, kind: type | None = None):
 _JSON_NAMES = {dict: "object", list: "list"}
 
 
-def load_workload(config: Qwen3Config, path: Path | None = None) -> Workload:
+def load_workload(config: ModelConfig, path: Path | None = None, *, pinned: bool = True) -> Workload:
     """The workload for a named (full-depth) model config; its fingerprint must match the pinned one.
 
-    Every ManifestError is one line that names the file.
+    `pinned=False` is for a config read from a config.json, which the manifest cannot know: the
+    fixtures are generated for its vocabulary and their hash reported, nothing is checked against a
+    pin, and synthetic weights are drawn from the fixture seed. Every ManifestError is one line that
+    names the file.
     """
     path = Path(path) if path is not None else MANIFEST_PATH
     try:
@@ -103,19 +106,22 @@ def load_workload(config: Qwen3Config, path: Path | None = None) -> Workload:
     except (OSError, ValueError) as exc:  # ValueError: invalid JSON or bytes that are not UTF-8
         raise ManifestError(f"manifest {path}: cannot read ({' '.join(str(exc).split())})") from None
     try:
-        return _parse(raw, config)
+        return _parse(raw, config, pinned)
     except ManifestError as exc:
         raise ManifestError(f"manifest {path}: {exc}") from None
 
 
-def _parse(raw, config: Qwen3Config) -> Workload:
+def _parse(raw, config: ModelConfig, pinned: bool = True) -> Workload:
     model_name = config.name
     if not isinstance(raw, dict):
         raise ManifestError(f"expected a JSON object, got a {type(raw).__name__}")
     if raw.get("schema") != SCHEMA:
         raise ManifestError(f"schema {raw.get('schema')!r}, expected {SCHEMA!r}")
     spec = _require(raw, "fixtures", "manifest", dict)
-    pins = _require(_require(raw, "models", "manifest", dict), model_name, "manifest.models", dict)
+    if pinned:
+        pins = _require(_require(raw, "models", "manifest", dict), model_name, "manifest.models", dict)
+    else:
+        pins = {"config_fingerprint": config.fingerprint(), "weight_seed": _require(spec, "seed", "fixtures")}
     if pins.get("config_fingerprint") != config.fingerprint():
         raise ManifestError(
             f"models.{model_name}.config_fingerprint {pins.get('config_fingerprint')!r} "
@@ -126,7 +132,7 @@ def _parse(raw, config: Qwen3Config) -> Workload:
     except (KeyError, TypeError, RuntimeError) as exc:  # a missing key, or a seed/length of the wrong type
         raise ManifestError(f"fixtures: cannot generate samples ({type(exc).__name__}: {exc})") from None
     got = fixture_hash(samples)
-    if got != _require(pins, "fixture_hash", f"models.{model_name}"):
+    if pinned and got != _require(pins, "fixture_hash", f"models.{model_name}"):
         raise ManifestError(f"models.{model_name}.fixture_hash: pinned {pins['fixture_hash']}, generated {got}")
     permutation = _require(spec, "permutation", "fixtures", list)
     if sorted(permutation) != list(range(len(samples))):

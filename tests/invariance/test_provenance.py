@@ -5,8 +5,9 @@ import torch
 
 from rl_engine.invariance.provenance import ProvenanceError, check_provenance, provenance_failures
 from rl_engine.kernels.registry import MissingImplementation, Registry
+from rl_engine.models.decoder import DecoderModel
+from rl_engine.models.families import CONFIGS
 from rl_engine.models.profiles import ProfileOps, get_profile
-from rl_engine.models.qwen3 import CONFIGS, Qwen3Model
 from rl_engine.models.weights import synthetic_weights
 
 TINY = CONFIGS["tiny"]
@@ -23,7 +24,7 @@ def _run(model):
 
 def _model(profile="torch_bf16", registry=None):
     ops = ProfileOps(get_profile(profile), registry) if registry else ProfileOps(get_profile(profile))
-    return Qwen3Model(TINY, synthetic_weights(TINY, 1), ops)
+    return DecoderModel(TINY, synthetic_weights(TINY, 1), ops)
 
 
 def _copy_registry():
@@ -60,7 +61,7 @@ def test_tf32_on_fails():
 
 
 def test_node_that_bypasses_the_registry_is_missing():
-    class Bypass(Qwen3Model):
+    class Bypass(DecoderModel):
         def selected_logprobs(self, hidden, target_ids):  # computes logprobs without dispatching
             logits = hidden.float() @ self.w["lm_head.weight"].float().t()
             return torch.log_softmax(logits, -1).gather(-1, target_ids[..., None])[..., 0]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rl_engine.invariance.harness import run_harness
-from rl_engine.models.qwen3 import CONFIGS
+from rl_engine.models.families import CONFIGS
 from rl_engine.models.weights import synthetic_weights
 from rl_engine.workload.layouts import Sample
 from rl_engine.workload.manifest import load_workload

@@ -1,5 +1,6 @@
-"""Loading a Hugging Face Qwen3 checkpoint: every config.json field that changes the math is checked
-against what rl_engine computes, unknown fields are refused, and broken files are one-line errors."""
+"""Loading a Hugging Face checkpoint: every config.json field that changes the math is checked
+against what rl_engine computes, unknown fields are refused, and broken files are one-line errors.
+The Qwen3 family stands for all here; tests/models/test_families.py covers what differs per family."""
 
 import json
 
@@ -8,10 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from rl_engine import cli
-from rl_engine.models.qwen3 import CONFIGS
+from rl_engine.models.families import CONFIGS, FAMILIES
 from rl_engine.models.weights import (
-    HF_INERT_FIELDS,
-    HF_MATH_FIELDS,
     CheckpointError,
     check_hf_config,
     load_hf_checkpoint,
@@ -20,6 +19,8 @@ from rl_engine.models.weights import (
 
 TINY = CONFIGS["tiny"]
 QWEN3_8B = CONFIGS["qwen3-8b"]
+HF_MATH_FIELDS = FAMILIES["qwen3"].hf_math_fields
+HF_INERT_FIELDS = FAMILIES["qwen3"].hf_inert_fields
 
 # https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json, as published.
 QWEN3_8B_CONFIG = {
@@ -64,7 +65,6 @@ REFUSED = [
     ("num_hidden_layers", 35),
     ("num_attention_heads", 40),
     ("num_key_value_heads", 32),
-    ("head_dim", None),
     ("head_dim", 64),
     ("rms_norm_eps", 1e-5),
     ("rope_theta", 10000.0),
@@ -130,6 +130,15 @@ def test_a_field_rl_engine_does_not_compute_is_refused(field, value):
     message = str(info.value)
     assert message.startswith("/ckpt/config.json: ") and "\n" not in message
     assert field in message
+
+
+def test_an_absent_head_dim_is_hidden_size_over_heads_as_in_transformers():
+    check_hf_config(_without(QWEN3_8B_CONFIG, "head_dim"), QWEN3_8B)  # 4096 // 32 = 128
+    small = {**QWEN3_8B_CONFIG, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+             "num_attention_heads": 16, "tie_word_embeddings": True}
+    check_hf_config(small, CONFIGS["qwen3-0.6b"])
+    with pytest.raises(CheckpointError, match=r"head_dim=null \(absent\) \(expected 128 for qwen3-0.6b"):
+        check_hf_config(_without(small, "head_dim"), CONFIGS["qwen3-0.6b"])  # 1024 // 16 = 64
 
 
 def test_rope_theta_inside_rope_parameters_is_checked():

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from rl_engine.models.qwen3 import CONFIGS
+from rl_engine.models.families import CONFIGS
 from rl_engine.models.weights import content_hash, synthetic_weights
 from rl_engine.workload.manifest import MANIFEST_PATH, ManifestError, load_workload
 

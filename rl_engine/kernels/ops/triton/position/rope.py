@@ -133,8 +133,10 @@ class _RopeFunction(torch.autograd.Function):
         return rope_apply(grad_out.contiguous(), positions, inv_freq, transpose=True), None, None
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 1e6) -> torch.Tensor:
-    """Rotate x [B,S,Hh,D] by integer positions [B,S]; returns x's dtype."""
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 1e6,
+         inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate x [B,S,Hh,D] by integer positions [B,S]; returns x's dtype. `inv_freq` (fp32 [D/2] on x's
+    device, checked by NativeRopeOp) replaces theta's table for a scaled RoPE."""
     if x.dim() < 2 or x.shape[-1] % 2 or tuple(positions.shape) != tuple(x.shape[:-2]):
         raise ValueError(
             f"x, positions: expected x [..., Hh, D] with even D and positions of shape x.shape[:-2]; "
@@ -144,7 +146,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 1e6) -> torch.
         raise ValueError(f"positions: expected integer positions, got dtype {positions.dtype}")
     expect_float("x", x, "[..., Hh, D]")
     x, positions = x.contiguous(), positions.contiguous()  # no copy when already contiguous
-    inv_freq = cached_inv_freq(x.shape[-1], theta, x.device)
+    inv_freq = cached_inv_freq(x.shape[-1], theta, x.device) if inv_freq is None else inv_freq.contiguous()
     if not (x.requires_grad and torch.is_grad_enabled()):
         return rope_apply(x, positions, inv_freq)
     return _RopeFunction.apply(x, positions, inv_freq)
@@ -155,9 +157,10 @@ class TritonRopeOp:
 
     input_names = NativeRopeOp.input_names
 
-    def __init__(self, theta: float = 1e6):
+    def __init__(self, theta: float = 1e6, inv_freq: torch.Tensor | None = None):
         self.theta = theta
+        self.inv_freq = inv_freq
 
     def __call__(self, *, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        NativeRopeOp(self.theta).validate(x=x, positions=positions)
-        return rope(x, positions, self.theta)
+        NativeRopeOp(self.theta, self.inv_freq).validate(x=x, positions=positions)
+        return rope(x, positions, self.theta, self.inv_freq)

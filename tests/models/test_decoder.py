@@ -1,8 +1,9 @@
 import pytest
 import torch
 
+from rl_engine.models.decoder import DecoderModel, KvCache
+from rl_engine.models.families import CONFIGS, get_config
 from rl_engine.models.profiles import ProfileOps, get_profile
-from rl_engine.models.qwen3 import CONFIGS, KvCache, Qwen3Model, get_config
 from rl_engine.models.weights import (
     check_hf_config,
     content_hash,
@@ -16,7 +17,7 @@ TINY = CONFIGS["tiny"]
 
 
 def _model(profile, weights=None):
-    return Qwen3Model(TINY, weights or synthetic_weights(TINY, 7), ProfileOps(get_profile(profile)))
+    return DecoderModel(TINY, weights or synthetic_weights(TINY, 7), ProfileOps(get_profile(profile)))
 
 
 def _hf_model(tmp_path):

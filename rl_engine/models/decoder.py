@@ -1,0 +1,209 @@
+"""The decoder every family runs, assembled from registry ops and read from its `Family` recipe.
+
+embedding -> L x [RMSNorm -> q/k/v proj (+ bias) -> (per-head q/k RMSNorm) -> RoPE -> grouped-query
+attention -> o proj -> residual -> RMSNorm -> gate/up proj -> SwiGLU -> down proj -> residual]
+-> final RMSNorm -> lm_head, or the embedding matrix itself when tied. Weights are keyed by their
+Hugging Face names (the family's `hf_names`); node names are rl_engine's and the same for every family.
+
+Every node calls its op through a `ProfileOps` (rl_engine.models.profiles), which picks the backend
+and records what ran. Residual adds, q/k/v bias adds and reshapes are plain tensor ops in the
+activation dtype: they are elementwise, hence batch invariant and deterministic under every profile.
+A bias is added to the rounded matmul output (two roundings in bf16, where transformers' fused
+`F.linear` on a GPU rounds once): at most one bf16 ulp of q/k/v, inside bf16 error; in fp32 the
+reference adds it exactly as transformers does, up to the order of one addition.
+
+RoPE: plain RoPE hands the rope op theta; Llama 3 scaling computes the inverse-frequency table on the
+host exactly as transformers' `_compute_llama3_parameters` and hands it to the rope op as `inv_freq`.
+
+Attention layouts:
+- padded [B,S]: right padding needs no mask; left padding passes `seq_starts` [B];
+- packed [1,T] with `cu_seqlens` [N+1];
+- cached: new tokens are written into a `KvCache` at their positions, then attend through
+  `kv_cache_attention` (chunked prefill and decode). Cached layouts hold each sequence from
+  position 0 of its cache row (no left padding), so cache index = position.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from rl_engine.models.config import ModelConfig
+from rl_engine.models.families import get_family
+from rl_engine.models.profiles import ProfileOps
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor | None:
+    """The fp32 inverse-frequency table [D/2] of a scaled RoPE (None: plain RoPE from theta).
+
+    Llama 3: transformers' `_compute_llama3_parameters`, operation for operation, on the CPU.
+    """
+    s = config.rope_scaling
+    if s is None:
+        return None
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    old_context_len = s.original_max_position_embeddings
+    low_freq_wavelen = old_context_len / s.low_freq_factor
+    high_freq_wavelen = old_context_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / s.factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+
+
+@dataclass
+class KvCache:
+    k: list  # per layer [B,Smax,Hkv,D]
+    v: list
+
+    @classmethod
+    def empty(cls, config: ModelConfig, batch: int, max_len: int, dtype, device) -> KvCache:
+        shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        return cls(k, v)
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(positions)
+        self.k[layer][rows, positions.long()] = k
+        self.v[layer][rows, positions.long()] = v
+
+
+class DecoderModel:
+    def __init__(self, config: ModelConfig, weights: dict, ops: ProfileOps):
+        self.config = config
+        self.family = get_family(config.family)
+        self.family.check(config)
+        self.ops = ops
+        # torch/triton profiles compute in their dtype; the reference upcasts inside the gold ops.
+        dtype = ops.profile.dtype
+        self.w = {
+            n: (t if dtype == torch.float32 or not t.is_floating_point() else t.to(dtype)) for n, t in weights.items()
+        }
+        inv_freq = rope_inv_freq(config)
+        device = self.w[self.name("embed")].device
+        self.rope_params = {"theta": config.rope_theta}
+        if inv_freq is not None:
+            self.rope_params["inv_freq"] = inv_freq.to(device)
+
+    def name(self, role: str, layer: int | None = None) -> str:
+        """The HF tensor name of a role (of layer `layer`)."""
+        return self.family.hf_names[role].format(i=layer)
+
+    def _weight(self, role, layer=None):
+        return self.w[self.name(role, layer)]
+
+    # -- node names -----------------------------------------------------------------------------
+    def required_nodes(self) -> list[str]:
+        """Nodes every selected-logprob forward must dispatch (the `lm_head` node is optional)."""
+        attn = ("q_proj", "k_proj", "v_proj") + (("q_norm", "k_norm") if self.family.qk_norm else ())
+        nodes = ["model.embed_tokens"]
+        for i in range(self.config.num_layers):
+            p = f"model.layers.{i}"
+            nodes += [f"{p}.input_layernorm", f"{p}.post_attention_layernorm"]
+            nodes += [f"{p}.self_attn.{n}" for n in attn + ("q_rope", "k_rope", "attention", "o_proj")]
+            nodes += [f"{p}.mlp.{n}" for n in ("gate_proj", "up_proj", "swiglu", "down_proj")]
+        return nodes + ["model.norm", "logp"]
+
+    def known_nodes(self) -> list[str]:
+        return self.required_nodes() + ["lm_head"]
+
+    # -- pieces ---------------------------------------------------------------------------------
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.ops("embedding", "model.embed_tokens", token_ids=token_ids, weight=self._weight("embed"))
+
+    def _norm(self, node, x, role, layer=None):
+        return self.ops("rms_norm", node, {"eps": self.config.rms_norm_eps}, x=x, weight=self._weight(role, layer))
+
+    def _linear(self, node, x, role, layer):
+        y = self.ops("matmul", node, a=x, b=self._weight(role, layer).t())
+        if self.family.qkv_bias and role in ("q_proj", "k_proj", "v_proj"):
+            y = y + self._weight(role[0] + "_bias", layer)
+        return y
+
+    def _head_norm(self, node, x, role, layer):
+        b, s, h, d = x.shape
+        return self._norm(node, x.reshape(b, s * h, d), role, layer).view(b, s, h, d)
+
+    def _rope(self, node, x, positions):
+        return self.ops("rope", node, self.rope_params, x=x, positions=positions)
+
+    def _layer(self, i, h, positions, attend):
+        c, p = self.config, f"model.layers.{i}"
+        b, s = h.shape[0], h.shape[1]
+        x = self._norm(f"{p}.input_layernorm", h, "input_norm", i)
+        q = self._linear(f"{p}.self_attn.q_proj", x, "q_proj", i).view(b, s, c.num_heads, c.head_dim)
+        k = self._linear(f"{p}.self_attn.k_proj", x, "k_proj", i).view(b, s, c.num_kv_heads, c.head_dim)
+        v = self._linear(f"{p}.self_attn.v_proj", x, "v_proj", i).view(b, s, c.num_kv_heads, c.head_dim)
+        if self.family.qk_norm:
+            q = self._head_norm(f"{p}.self_attn.q_norm", q, "q_norm", i)
+            k = self._head_norm(f"{p}.self_attn.k_norm", k, "k_norm", i)
+        q = self._rope(f"{p}.self_attn.q_rope", q, positions)
+        k = self._rope(f"{p}.self_attn.k_rope", k, positions)
+        a = attend(i, f"{p}.self_attn.attention", q, k, v).reshape(b, s, c.num_heads * c.head_dim)
+        h = h + self._linear(f"{p}.self_attn.o_proj", a, "o_proj", i)
+        x = self._norm(f"{p}.post_attention_layernorm", h, "post_norm", i)
+        gate = self._linear(f"{p}.mlp.gate_proj", x, "gate_proj", i)
+        up = self._linear(f"{p}.mlp.up_proj", x, "up_proj", i)
+        m = self.ops("swiglu", f"{p}.mlp.swiglu", gate=gate, up=up)
+        return h + self._linear(f"{p}.mlp.down_proj", m, "down_proj", i)
+
+    def _decoder(self, h, positions, attend):
+        for i in range(self.config.num_layers):
+            h = self._layer(i, h, positions, attend)
+        return self._norm("model.norm", h, "final_norm")
+
+    # -- forwards (each returns the final-normed hidden states) ---------------------------------
+    def forward(self, token_ids=None, positions=None, *, seq_starts=None, cu_seqlens=None, embeds=None, cache=None):
+        """Padded [B,S] (optional left-padding `seq_starts`) or packed [1,T] (`cu_seqlens`) forward.
+
+        With `cache`, the new keys/values are also written into it (prompt prefill before decode).
+        """
+        h = self.embed(token_ids) if embeds is None else embeds
+        extra = {}
+        if seq_starts is not None:
+            extra["seq_starts"] = seq_starts
+        if cu_seqlens is not None:
+            extra["cu_seqlens"] = cu_seqlens
+
+        def attend(i, node, q, k, v):
+            if cache is not None:
+                cache.write(i, positions, k, v)
+            return self.ops("attention", node, q=q, k=k, v=v, **extra)
+
+        return self._decoder(h, positions, attend)
+
+    def forward_cached(self, token_ids, positions, cache: KvCache, cache_seqlens, *, embeds=None):
+        """New tokens [B,Sq] at `positions` against the cache (chunked prefill, decode).
+
+        cache_seqlens[b] counts the valid cached tokens of row b after this step, the new ones included.
+        """
+        h = self.embed(token_ids) if embeds is None else embeds
+
+        def attend(i, node, q, k, v):
+            cache.write(i, positions, k, v)
+            return self.ops(
+                "kv_cache_attention", node, q=q, k_cache=cache.k[i], v_cache=cache.v[i], cache_seqlens=cache_seqlens
+            )
+
+        return self._decoder(h, positions, attend)
+
+    # -- heads ----------------------------------------------------------------------------------
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """lm_head's matrix: the embedding matrix itself (the same tensor) when tied."""
+        return self._weight("embed" if self.config.tie_word_embeddings else "lm_head")
+
+    def logits(self, hidden):
+        return self.ops("lm_head", "lm_head", hidden=hidden, weight=self.lm_head_weight)
+
+    def selected_logprobs(self, hidden, target_ids):
+        """fp32 log-probability of target_ids[b, s] given the prefix up to slot s."""
+        return self.ops(
+            "linear_logp", "logp", hidden=hidden, lm_head_weight=self.lm_head_weight, target_ids=target_ids
+        )

@@ -1,0 +1,85 @@
+"""On the H200: each family at a real width (Qwen3-8B, Qwen2.5-7B, Llama-3.1-8B; 3 layers, bf16).
+
+- agreement: the same synthetic weights in transformers' own model; our `triton_bf16` selected
+  logprobs must stay within the harness's baseline-relative rule of transformers' fp32 (TF32 off),
+  calibrated by transformers' own bf16 error;
+- the invariance harness (layout matrix, train/infer parity, provenance) is bitwise for each.
+"""
+
+import pytest
+import torch
+
+from rl_engine.invariance.harness import ACCURACY_ATOL, ACCURACY_K, run_harness
+from rl_engine.kernels.ops.pytorch.base import tf32_off
+from rl_engine.models.decoder import DecoderModel
+from rl_engine.models.families import CONFIGS
+from rl_engine.models.profiles import ProfileOps, get_profile
+from rl_engine.models.weights import synthetic_weights
+from rl_engine.workload.manifest import load_workload
+
+WIDTHS = ["qwen3-8b", "qwen2.5-7b", "llama-3.1-8b"]
+LAYERS = 3
+POSITION_STRIDE = 509  # query-key distances up to ~3e4: Llama 3's scaled low frequencies turn
+
+
+def hf_model(config, weights, device):
+    """transformers' model for `config` (fp32) holding `weights`."""
+    import transformers
+
+    stem = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}[config.family]
+    kwargs = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
+        rope_theta=config.rope_theta, tie_word_embeddings=config.tie_word_embeddings, max_position_embeddings=131072,
+    )
+    s = config.rope_scaling
+    if s is not None:
+        kwargs["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                                  "high_freq_factor": s.high_freq_factor,
+                                  "original_max_position_embeddings": s.original_max_position_embeddings}
+    with torch.device(device):
+        hf = getattr(transformers, f"{stem}ForCausalLM")(getattr(transformers, f"{stem}Config")(**kwargs))
+    missing, unexpected = hf.load_state_dict({n: t.float() for n, t in weights.items()}, strict=False)
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    return hf.float().eval()
+
+
+def selected(hf, ids, targets, positions):
+    with torch.no_grad(), tf32_off():
+        logits = hf(input_ids=ids, position_ids=positions).logits.float()
+    return torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", WIDTHS)
+def test_triton_bf16_within_transformers_bf16_error_at_real_width(name):
+    config = CONFIGS[name].with_layers(LAYERS)
+    weights = synthetic_weights(config, 1234, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(1, config.vocab_size, (2, 64), device="cuda", generator=gen)
+    targets = torch.randint(0, config.vocab_size, (2, 64), device="cuda", generator=gen)
+    positions = (torch.arange(64, device="cuda") * POSITION_STRIDE).expand(2, 64)
+    hf = hf_model(config, weights, "cuda")
+    reference = selected(hf, ids, targets, positions)
+    hf_error = float((selected(hf.to(torch.bfloat16), ids, targets, positions) - reference).abs().max())
+    del hf
+    model = DecoderModel(config, weights, ProfileOps(get_profile("triton_bf16")))
+    with torch.no_grad():
+        ours = model.selected_logprobs(model.forward(ids, positions), targets)
+    error = float((ours - reference).abs().max())
+    print(f"{name}[:{LAYERS}] max|triton_bf16 - hf_fp32| {error:.3g}, max|hf_bf16 - hf_fp32| {hf_error:.3g}")
+    assert error <= ACCURACY_K * hf_error + ACCURACY_ATOL, (error, hf_error)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", WIDTHS)
+def test_triton_bf16_layout_matrix_is_bitwise_at_real_width(name):
+    config = CONFIGS[name]
+    workload = load_workload(config)
+    short = config.with_layers(LAYERS)
+    weights = synthetic_weights(short, workload.weight_seed, device="cuda")
+    report = run_harness(short, weights, workload, "triton_bf16", "cuda", gradients=False)
+    assert not report["errors"], report["errors"]
+    for check in ("forward_invariance", "parity", "provenance", "accuracy"):
+        assert report[check]["passed"], (check, report[check])
