@@ -81,7 +81,8 @@ def _stats_partials_kernel(
         False, BLOCK_T, BLOCK_V, BLOCK_H, EVEN_H, DOT_FP32, INPUT_PRECISION,
     )
     valid = (cols < V)[None, :]
-    z = tl.where(valid, acc * inv_temp, float("-inf"))
+    z_finite = acc * inv_temp
+    z = tl.where(valid, z_finite, float("-inf"))
     tile_max = tl.max(z, axis=1)  # finite: every tile holds at least one column < V
     e = exp2_ftz(z * LOG2E - (tile_max * LOG2E)[:, None])
     row_ok = rows < N
@@ -89,7 +90,7 @@ def _stats_partials_kernel(
     tl.store(part_max_ptr + at, tile_max, mask=row_ok)
     tl.store(part_sum_ptr + at, tl.sum(e, axis=1), mask=row_ok)
     if ENTROPY:
-        tl.store(part_zsum_ptr + at, tl.sum(tl.where(valid, e * z, 0.0), axis=1), mask=row_ok)
+        tl.store(part_zsum_ptr + at, tl.sum(tl.where(valid, e * z_finite, 0.0), axis=1), mask=row_ok)
     target = tl.load(target_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
     in_tile = (target >= tile_v * BLOCK_V) & (target < tile_v * BLOCK_V + BLOCK_V) & (target < V)
     if tl.max(in_tile.to(tl.int32), axis=0) > 0:
