@@ -308,6 +308,8 @@ def _token_terms(logp, lse, mean_z, old, ref, adv, weight, seq, cfg: PolicyLossC
     out["kl"] = torch.empty(n, dtype=torch.float32, device=logp.device) if ref is not None else None
     bonus = cfg.entropy_coef > 0
     block = 16 if interpreting() else 1024
+    if n == 0:
+        return out
     _token_terms_kernel[(triton.cdiv(n, block),)](
         logp, lse, mean_z if bonus else lse, old, ref if ref is not None else old, adv, weight,
         seq if seq is not None else logp,
