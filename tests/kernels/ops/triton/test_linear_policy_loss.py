@@ -131,3 +131,16 @@ def test_flat_tokens_and_bad_inputs():
         linear_policy_loss(**flat, policy_loss="gspo")
     with pytest.raises(ValueError, match="backend"):
         linear_policy_loss(**inputs, backend="cuda")
+
+
+def test_torch_compile_traces_the_custom_op_and_gives_the_eager_bits():
+    inputs = make_inputs()
+    kw = dict(kl_coef=0.1, entropy_coef=0.02)
+    compiled = torch.compile(lambda **x: linear_policy_loss(**x, **kw), backend="aot_eager", fullgraph=True)
+    eager = run("triton", inputs, **kw)
+    hidden = inputs["hidden"].clone().requires_grad_(True)
+    weight = inputs["lm_head_weight"].clone().requires_grad_(True)
+    loss, metrics = compiled(**dict(inputs, hidden=hidden, lm_head_weight=weight))
+    loss.backward()
+    assert torch.equal(loss.detach(), eager[0]) and torch.equal(metrics["entropy"], eager[1]["entropy"])
+    assert torch.equal(hidden.grad, eager[2]) and torch.equal(weight.grad, eager[3])

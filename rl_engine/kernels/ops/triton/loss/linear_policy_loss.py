@@ -26,6 +26,11 @@ batch, however it is padded or ordered. Not invariant, by definition: the scalar
 metrics (sums over the batch) and dW (a sum over all tokens) - deterministic, fixed order, but
 functions of the whole batch.
 
+The scalar loss is the torch custom op `rl_engine::linear_policy_loss` (torch.compile traces it);
+its forward returns the gradients it computed, and autograd's backward multiplies them by the
+upstream scalar (exact for loss.backward()). The harness's per-token view (`_TokenLossFunction`)
+takes any upstream and recomputes through the same kernels in backward.
+
 Memory beyond inputs and gradients: partials [TOKEN_CHUNK, V / BLOCK_V] x 3, one dlogits piece
 [TOKEN_CHUNK, VOCAB_CHUNK], an fp32 dhidden [N, H] and an fp32 dW piece [VOCAB_CHUNK, H].
 Work: the logits GEMM runs twice (statistics, then recompute for the gradient) plus the two
@@ -353,45 +358,72 @@ def _policy_terms(hidden, weight, target_ids, advantages, old_logprobs, ref_logp
     return terms
 
 
-class _LinearPolicyLossFunction(torch.autograd.Function):
-    """Scalar loss; dhidden and dW are computed in the forward and scaled by the upstream in backward."""
+# A torch custom op (torch.compile traces it): the forward returns the loss, the per-token metric
+# inputs and the two gradients it computed; autograd's backward only scales those by the upstream.
+@torch.library.custom_op("rl_engine::linear_policy_loss", mutates_args=())
+def linear_policy_loss_op(
+    hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tensor, advantages: torch.Tensor,
+    old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None, mask: torch.Tensor, token_weight: torch.Tensor,
+    policy_loss: str, clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float, kl_coef: float,
+    entropy_coef: float, temperature: float, compute_entropy: bool, need_hidden: bool, need_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    """(loss, logp, clipped, clipped_lower, kl or [0], entropy or [0], dL/dhidden or [0], dL/dW or [0])."""
+    cfg = PolicyLossConfig(policy_loss=policy_loss, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                           clip_ratio_c=clip_ratio_c, kl_coef=kl_coef, entropy_coef=entropy_coef,
+                           temperature=temperature, compute_entropy=compute_entropy)
+    terms = _policy_terms(hidden, weight, target_ids, advantages, old_logprobs, ref_logprobs, mask, token_weight, cfg)
+    grad_hidden = grad_weight = None
+    if (need_hidden or need_weight) and terms["rows"].shape[0]:
+        grad_hidden, grad_weight = _gradients(
+            terms["rows"], terms["w"], terms["targets"], terms["lse"], terms["mean_z"], terms["dlogp"],
+            terms["dent"] if cfg.entropy_coef > 0 else None, 1.0 / cfg.temperature, terms["run_config"],
+            need_hidden, need_weight,
+        )
+    empty = terms["logp"].new_empty(0)
+    if need_hidden:
+        grad_hidden = (torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device) if grad_hidden is None
+                       else grad_hidden.reshape(hidden.shape).to(hidden.dtype))
+    if need_weight:
+        grad_weight = torch.zeros_like(weight) if grad_weight is None else grad_weight.to(weight.dtype)
+    lead = hidden.shape[:-1]
+    kl = terms["kl"].reshape(lead) if terms["kl"] is not None else empty.clone()
+    entropy = (terms["lse"] - terms["mean_z"]).reshape(lead) if cfg.needs_entropy else empty.clone()
+    return (terms["loss"].sum(), terms["logp"].reshape(lead), terms["clipped"].reshape(lead),
+            terms["clipped_lower"].reshape(lead), kl, entropy,
+            grad_hidden if need_hidden else empty.clone(), grad_weight if need_weight else empty.clone())
 
-    @staticmethod
-    def forward(ctx, hidden, weight, target_ids, advantages, old_logprobs, ref_logprobs, mask, token_weight, cfg):
-        terms = _policy_terms(hidden, weight, target_ids, advantages, old_logprobs, ref_logprobs, mask,
-                              token_weight, cfg)
-        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = grad_weight = None
-        if (need_hidden or need_weight) and terms["rows"].shape[0]:
-            grad_hidden, grad_weight = _gradients(
-                terms["rows"], terms["w"], terms["targets"], terms["lse"], terms["mean_z"], terms["dlogp"],
-                terms["dent"] if cfg.entropy_coef > 0 else None, 1.0 / cfg.temperature, terms["run_config"],
-                need_hidden, need_weight,
-            )
-        if need_hidden:
-            grad_hidden = (torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-                           if grad_hidden is None else grad_hidden.reshape(hidden.shape))
-            grad_hidden = grad_hidden.to(hidden.dtype)
-        if need_weight:
-            grad_weight = torch.zeros_like(weight) if grad_weight is None else grad_weight.to(weight.dtype)
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        loss = terms["loss"].sum()
-        lead = hidden.shape[:-1]
-        extras = [terms[k].reshape(lead) for k in ("logp", "clipped", "clipped_lower")]
-        extras.append(terms["kl"].reshape(lead) if terms["kl"] is not None else terms["logp"].new_empty(0))
-        entropy = (terms["lse"] - terms["mean_z"]).reshape(lead) if cfg.needs_entropy else terms["logp"].new_empty(0)
-        extras.append(entropy)
-        ctx.mark_non_differentiable(*extras)
-        return (loss, *extras)
 
-    @staticmethod
-    def backward(ctx, grad_loss, *_):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        # g is 1 for loss.backward(): the multiply is then exact.
-        g = grad_loss.to(torch.float32)
-        gh = (grad_hidden.float() * g).to(grad_hidden.dtype) if ctx.needs_input_grad[0] else None
-        gw = (grad_weight.float() * g).to(grad_weight.dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None, None, None, None, None, None
+@linear_policy_loss_op.register_fake
+def _(hidden, weight, target_ids, advantages, old_logprobs, ref_logprobs, mask, token_weight, policy_loss,
+      clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_coef, entropy_coef, temperature, compute_entropy,
+      need_hidden, need_weight):
+    lead = hidden.shape[:-1]
+
+    def f32(shape):
+        return hidden.new_empty(shape, dtype=torch.float32)
+
+    return (f32(()), f32(lead), f32(lead), f32(lead), f32(lead if ref_logprobs is not None else (0,)),
+            f32(lead if (compute_entropy or entropy_coef > 0) else (0,)),
+            hidden.new_empty(hidden.shape) if need_hidden else f32((0,)),
+            weight.new_empty(weight.shape) if need_weight else f32((0,)))
+
+
+def _loss_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(output[6], output[7])
+    ctx.need = (inputs[-2], inputs[-1])
+
+
+def _loss_backward(ctx, grad_loss, *_):
+    grad_hidden, grad_weight = ctx.saved_tensors
+    # g is 1 for loss.backward(): the multiply is then exact.
+    g = grad_loss.to(torch.float32)
+    gh = (grad_hidden.float() * g).to(grad_hidden.dtype) if ctx.need[0] else None
+    gw = (grad_weight.float() * g).to(grad_weight.dtype) if ctx.need[1] else None
+    return (gh, gw) + (None,) * 16
+
+
+linear_policy_loss_op.register_autograd(_loss_backward, setup_context=_loss_setup_context)
 
 
 def linear_policy_loss(hidden, lm_head_weight, target_ids, advantages, old_logprobs, mask=None, ref_logprobs=None,
@@ -408,9 +440,14 @@ def linear_policy_loss(hidden, lm_head_weight, target_ids, advantages, old_logpr
         mask = torch.ones(hidden.shape[:-1], device=hidden.device)
     validate_policy_inputs(hidden, lm_head_weight, target_ids, advantages, old_logprobs, mask, ref_logprobs, cfg)
     token_weight = aggregation_weights(mask, cfg, normalizer)
-    loss, logp, clipped, lower, kl, entropy = _LinearPolicyLossFunction.apply(
-        hidden, lm_head_weight, target_ids, advantages, old_logprobs, ref_logprobs, mask, token_weight, cfg
+    grad_on = torch.is_grad_enabled()
+    need_hidden, need_weight = grad_on and hidden.requires_grad, grad_on and lm_head_weight.requires_grad
+    loss, logp, clipped, lower, kl, entropy, _, _ = linear_policy_loss_op(
+        hidden, lm_head_weight, target_ids, advantages, old_logprobs, ref_logprobs, mask, token_weight,
+        cfg.policy_loss, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.kl_coef, cfg.entropy_coef,
+        cfg.temperature, cfg.compute_entropy, need_hidden, need_weight,
     )
+    logp, clipped, lower, kl, entropy = (t.detach() for t in (logp, clipped, lower, kl, entropy))
     m = mask.to(torch.float32)
     active = m.sum().clamp(min=1)
 
