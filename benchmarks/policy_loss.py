@@ -76,12 +76,12 @@ def implementations(liger: bool = True) -> dict:
     }
     chunked = optional_import("liger_kernel.chunked_loss") if liger else None
     if chunked is not None and hasattr(chunked, "LigerFusedLinearGRPOLoss"):
-        liger = chunked.LigerFusedLinearGRPOLoss(beta=KNOBS["kl_coef"], epsilon_low=0.2, epsilon_high=0.28,
-                                                 loss_type="bnpo", use_ref_model=True)
+        grpo_loss = chunked.LigerFusedLinearGRPOLoss(beta=KNOBS["kl_coef"], epsilon_low=0.2, epsilon_high=0.28,
+                                                     loss_type="bnpo", use_ref_model=True)
         # bnpo: token-mean over the batch's active tokens, as ours; its KL is the same k3 to the reference.
 
         def run_liger(hidden, lm_head_weight, target_ids, advantages, old_logprobs, mask, ref_logprobs):
-            return liger(hidden, lm_head_weight, target_ids, mask, advantages[:, 0],
+            return grpo_loss(hidden, lm_head_weight, target_ids, mask, advantages[:, 0],
                          ref_per_token_logps=ref_logprobs, old_per_token_logps=old_logprobs)[0]
 
         impls["liger"] = run_liger
