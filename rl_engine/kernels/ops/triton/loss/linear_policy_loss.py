@@ -63,6 +63,10 @@ from rl_engine.kernels.ops.triton.runtime import cast_rne, interpreting
 # N ~ 40 cross chunk borders; the vocabulary chunk and tiles come from linear_logp's fixed table.
 TOKEN_CHUNK = {"gpu": 4096, "interpreter": 16}
 SEQ_BLOCK = {"gpu": 256, "interpreter": 8}  # lanes of the per-sequence sum
+# The gold's clamps, as constexprs (a jit function may read only constexpr globals on the GPU).
+_RATIO_CLAMP = tl.constexpr(RATIO_LOG_CLAMP)
+_GSPO_MAX = tl.constexpr(GSPO_LOG_RATIO_MAX)
+_KL_CLAMP = tl.constexpr(KL_CLAMP)
 
 
 def config(dtype: torch.dtype) -> dict:
@@ -158,12 +162,12 @@ def _token_terms_kernel(
     w = tl.load(weight_ptr + offs, mask=ok, other=0.0)
     if GSPO:
         seq = tl.load(seq_ptr + offs, mask=ok, other=0.0)
-        ratio = tl.exp(tl.minimum(seq, GSPO_LOG_RATIO_MAX))
-        live = seq <= GSPO_LOG_RATIO_MAX  # clamp(max) passes the gradient up to the bound
+        ratio = tl.exp(tl.minimum(seq, _GSPO_MAX))
+        live = seq <= _GSPO_MAX  # clamp(max) passes the gradient up to the bound
     else:
         raw = logp - old
-        ratio = tl.exp(tl.minimum(tl.maximum(raw, -RATIO_LOG_CLAMP), RATIO_LOG_CLAMP))
-        live = (raw >= -RATIO_LOG_CLAMP) & (raw <= RATIO_LOG_CLAMP)
+        ratio = tl.exp(tl.minimum(tl.maximum(raw, -_RATIO_CLAMP), _RATIO_CLAMP))
+        live = (raw >= -_RATIO_CLAMP) & (raw <= _RATIO_CLAMP)
     l1 = -adv * ratio
     l2 = -adv * tl.minimum(tl.maximum(ratio, clip_lo), clip_hi)
     c = tl.maximum(l1, l2)
@@ -182,12 +186,12 @@ def _token_terms_kernel(
     if HAS_REF:
         ref = tl.load(ref_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         k_raw = ref - logp
-        k = tl.minimum(tl.maximum(k_raw, -RATIO_LOG_CLAMP), RATIO_LOG_CLAMP)
+        k = tl.minimum(tl.maximum(k_raw, -_RATIO_CLAMP), _RATIO_CLAMP)
         ek = tl.exp(k)
         kl_raw = ek - k - 1.0
-        kl = tl.minimum(tl.maximum(kl_raw, -KL_CLAMP), KL_CLAMP)
-        kl_live = (k_raw >= -RATIO_LOG_CLAMP) & (k_raw <= RATIO_LOG_CLAMP)
-        kl_live = kl_live & (kl_raw <= KL_CLAMP) & (kl_raw >= -KL_CLAMP)
+        kl = tl.minimum(tl.maximum(kl_raw, -_KL_CLAMP), _KL_CLAMP)
+        kl_live = (k_raw >= -_RATIO_CLAMP) & (k_raw <= _RATIO_CLAMP)
+        kl_live = kl_live & (kl_raw <= _KL_CLAMP) & (kl_raw >= -_KL_CLAMP)
         loss = loss + kl_coef * kl
         dlogp = dlogp + kl_coef * tl.where(kl_live, 1.0 - ek, 0.0)
         tl.store(kl_ptr + offs, kl, mask=ok)
