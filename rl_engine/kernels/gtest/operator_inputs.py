@@ -175,6 +175,25 @@ def _embedding(d: OperatorDims, draw: _Draw) -> dict:
     }
 
 
+def _linear_policy_loss(d: OperatorDims, draw: _Draw) -> dict:
+    inputs = _linear_logp(d, draw)
+    b, s = d.batch, d.seq
+    # Old and reference logprobs near the current policy's, so ratios straddle the clip bounds.
+    logits = inputs["hidden"].float() @ inputs["lm_head_weight"].float().t()
+    logp = torch.log_softmax(logits, -1).gather(-1, inputs["target_ids"].unsqueeze(-1)).squeeze(-1)
+    if draw.mode == "constant":
+        mask = torch.ones((b, s), device=draw.device)
+    else:
+        mask = (draw.ints("mask", (b, s), 0, 5) != 0).float()  # about one token in five inactive
+    return {
+        **inputs,
+        "advantages": draw.normal("advantages", (b, s)),
+        "old_logprobs": (logp + draw.normal("old_logprobs", (b, s), scale=0.3).float()).to(draw.dtype),
+        "ref_logprobs": (logp + draw.normal("ref_logprobs", (b, s), scale=0.3).float()).to(draw.dtype),
+        "mask": mask.to(draw.dtype),
+    }
+
+
 INPUT_BUILDERS = {
     "logp": _logp,
     "linear_logp": _linear_logp,
@@ -187,6 +206,7 @@ INPUT_BUILDERS = {
     "swiglu": _swiglu,
     "rope": _rope,
     "embedding": _embedding,
+    "linear_policy_loss": _linear_policy_loss,
 }
 
 

@@ -21,7 +21,7 @@ from rl_engine.kernels.gtest.tolerance import DTYPES, dtype_key
 
 GOLD_PACKAGE = "rl_engine.kernels.ops.pytorch"
 TRITON_PACKAGE = "rl_engine.kernels.ops.triton"
-OP_CLASSES = ("elementwise", "reduction", "logprob", "matmul", "attention")
+OP_CLASSES = ("elementwise", "reduction", "logprob", "matmul", "attention", "policy_loss")
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,9 @@ _SPECS = [
     _declare("swiglu", "activation", "Swiglu", "elementwise", ["gate", "up"], ["gate", "up"]),
     _declare("rope", "position", "Rope", "elementwise", ["x"], ["x", "positions"], ["theta"]),
     _declare("embedding", "embedding", "Embedding", "elementwise", ["weight"], ["token_ids"]),
+    # Judged as masked per-token losses [B,T]: each sequence alone vs its row of the batch.
+    _declare("linear_policy_loss", "loss", "LinearPolicyLoss", "policy_loss", ["hidden", "lm_head_weight"],
+             ["hidden", "target_ids", "advantages", "old_logprobs", "ref_logprobs", "mask"]),
 ]
 OP_SPECS: dict[str, OperatorSpec] = {spec.name: spec for spec in _SPECS}
 

@@ -24,6 +24,8 @@ EXPECTED_SHAPES = {
     "swiglu": {"gate": (2, 3, 6), "up": (2, 3, 6)},
     "rope": {"x": (2, 3, 4, 4), "positions": (2, 3)},
     "embedding": {"token_ids": (2, 3), "weight": (11, 8)},
+    "linear_policy_loss": {"hidden": (2, 3, 8), "lm_head_weight": (11, 8), "target_ids": (2, 3), "advantages": (2, 3),
+                           "old_logprobs": (2, 3), "ref_logprobs": (2, 3), "mask": (2, 3)},
 }
 
 

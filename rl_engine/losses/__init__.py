@@ -1,0 +1,50 @@
+"""Fused lm_head + RL policy losses: the user-facing entry points over the loss ops.
+
+`linear_policy_loss` takes the last hidden states and the lm_head weight instead of logits, so the
+[tokens, V] logits are never materialised (Triton), or computes the gold with materialised logits
+(`backend="pytorch"`). Formulas: rl_engine/kernels/ops/pytorch/loss/linear_policy_loss.py.
+"""
+
+from __future__ import annotations
+
+from rl_engine.kernels.ops.pytorch.loss.linear_policy_loss import (
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    PolicyLossConfig,
+    reference_linear_policy_loss,
+)
+
+BACKENDS = ("triton", "pytorch")
+
+
+def linear_policy_loss(hidden, lm_head_weight, target_ids, advantages, old_logprobs, mask=None, ref_logprobs=None,
+                       *, policy_loss="ppo", clip_ratio_low=0.2, clip_ratio_high=None, clip_ratio_c=3.0,
+                       loss_agg_mode=None, kl_coef=0.0, entropy_coef=0.0, temperature=1.0, compute_entropy=False,
+                       normalizer=None, backend="triton"):
+    """(loss, metrics) of a GRPO/PPO/DAPO/GSPO policy loss on hidden [N,H] or [B,T,H] @ lm_head_weight [V,H]^T.
+
+    policy_loss: "ppo" (token ratio, clip [1 - clip_ratio_low, 1 + clip_ratio_high], dual clip
+    clip_ratio_c for negative advantages) or "gspo" (sequence ratio). loss_agg_mode: "token-mean",
+    "seq-mean-token-mean" or "seq-mean-token-sum" (default: token-mean for ppo, seq-mean-token-mean
+    for gspo); sequence variants need [B,T,H]. kl_coef: k3 KL to `ref_logprobs`. entropy_coef: the
+    entropy bonus (compute_entropy: the metric alone). temperature: logits / temperature, as sampled.
+    normalizer: the aggregation's divisor (default: this batch's active tokens, or sequences); fix it
+    across micro-batches to make per-token gradients independent of the split.
+    metrics: pg_clipfrac, pg_clipfrac_lower (ppo), ppo_kl, k3_kl, kl_loss (with a reference),
+    entropy (when computed): means over active tokens.
+    """
+    cfg = PolicyLossConfig(policy_loss=policy_loss, clip_ratio_low=clip_ratio_low,
+                           clip_ratio_high=clip_ratio_low if clip_ratio_high is None else clip_ratio_high,
+                           clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode, kl_coef=kl_coef,
+                           entropy_coef=entropy_coef, temperature=temperature, compute_entropy=compute_entropy)
+    args = (hidden, lm_head_weight, target_ids, advantages, old_logprobs, mask, ref_logprobs)
+    if backend == "pytorch":
+        return reference_linear_policy_loss(*args, cfg=cfg, normalizer=normalizer)
+    if backend == "triton":
+        from rl_engine.kernels.ops.triton.loss.linear_policy_loss import linear_policy_loss as fused
+
+        return fused(*args, cfg=cfg, normalizer=normalizer)
+    raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+
+
+__all__ = ["BACKENDS", "LOSS_AGG_MODES", "POLICY_LOSSES", "PolicyLossConfig", "linear_policy_loss"]
