@@ -152,6 +152,33 @@ def test_kv_cache_attention_partly_filled(sq):
     close(NativeKvCacheAttentionOp()(q=q, k_cache=kc, v_cache=vc, cache_seqlens=lens), expected)
 
 
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_attention_non_finite_inputs_follow_ieee_over_visible_keys(which, value):
+    # The float64 loop formula sums over visible keys only: a NaN/inf reaches the rows that see it, as
+    # IEEE says, and no other (the old nan_to_num gold gave 0 for a NaN q and leaked a NaN v everywhere).
+    inputs = {"q": rand(1, 6, 2, 4), "k": rand(1, 6, 1, 4, seed=2), "v": rand(1, 6, 1, 4, seed=3)}
+    inputs[which][0, 3, 0, 1] = value
+    got = NativeAttentionOp()(**inputs)
+    expected = np_attention(*(inputs[n].double().numpy() for n in "qkv"), np.arange(6)[None], [6], 0.5)
+    np.testing.assert_array_equal(np.isnan(got.numpy()), np.isnan(expected))
+    np.testing.assert_array_equal(np.isinf(got.numpy()), np.isinf(expected))
+    assert np.isnan(expected).any() or np.isinf(expected).any()
+    finite = np.isfinite(expected)
+    np.testing.assert_allclose(got.double().numpy()[finite], expected[finite], rtol=2e-5, atol=2e-5)
+
+
+def test_attention_row_without_visible_key_is_zero_by_the_mask():
+    # A row with no visible key outputs 0 even when its q is NaN (decided from the mask, not the values).
+    from rl_engine.kernels.ops.pytorch.attention.attention import grouped_attention
+
+    q, k, v = rand(1, 3, 2, 4), rand(1, 3, 1, 4, seed=2), rand(1, 3, 1, 4, seed=3)
+    q[0, 0] = float("nan")
+    mask = torch.tensor([[[False, False, False], [True, True, False], [True, True, True]]])
+    out = grouped_attention(q, k, v, mask, 0.5)
+    assert torch.equal(out[0, 0], torch.zeros(2, 4)) and torch.isfinite(out[0, 1:]).all()
+
+
 # ---- gradients: gradcheck in float64 through the same formulas ----
 
 GRAD_CASES = {

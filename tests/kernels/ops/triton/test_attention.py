@@ -17,6 +17,8 @@ from rl_engine.kernels.ops.triton.runtime import dot_fp32
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+# Every head size the kernels promise (BLOCK_D pads them to a power of two >= 16 inside the kernel).
+HEAD_DIMS = [8, 16, 32, 64, 80, 96, 128, 192, 256]
 
 
 def dot_path(dtype) -> str:
@@ -56,6 +58,66 @@ def test_forward_and_backward_match_gold(dtype, heads):
     assert out.dtype == dtype and out.shape == q.shape
     for name, got, want in (("out", out, ref), ("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
         _close(name, got, want, dtype)
+
+
+@pytest.mark.parametrize("head_dim, dtype", [(8, torch.bfloat16), (80, torch.float32), (96, torch.bfloat16),
+                                             (192, torch.float32)])
+def test_head_sizes_below_16_and_not_powers_of_two(head_dim, dtype):
+    # Padded lanes (8 -> 16, 80/96 -> 128, 192 -> 256) must contribute exact zeros, forward and backward.
+    q, k, v = _qkv(1, 19, 2, 1, head_dim, dtype, seed=head_dim)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
+    got = _grads(TritonAttentionOp(), (q, k, v), grad_out)
+    ref = _grads(lambda q, k, v: NativeAttentionOp()(q=q, k=k, v=v), (q, k, v), grad_out.float())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        _close(f"{name} (head_dim {head_dim})", a, b, dtype)
+
+
+def assert_same_non_finite(name, got, ref):
+    got = got.float()
+    for what, test in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        diff = (test(got) != test(ref)).nonzero().tolist()
+        assert not diff, f"{name}: {what} positions differ from the gold at {diff[:5]} ({len(diff)} in all)"
+
+
+def _planted(which, position, value, dtype, seq=37):
+    q, k, v = _qkv(1, seq, 4, 2, 16, dtype, seed=4)
+    (q, k, v)[which][0, position, 1, 3] = value
+    return q, k, v
+
+
+NON_FINITE = [(which, value) for which in range(3) for value in (float("nan"), float("inf"))] + [(0, float("-inf"))]
+
+
+@pytest.mark.parametrize("which, value", NON_FINITE, ids=[f"{'qkv'[w]}={v}" for w, v in NON_FINITE])
+def test_non_finite_inputs_reach_exactly_the_rows_the_gold_says(which, value):
+    # Key 20 sits inside a 16-key block whose earlier rows do not see it: 0·NaN must not leak to them
+    # (forward p·v, dQ's ds·k, dK's ds·q), while the rows that see it (and the gradients they touch) turn
+    # non-finite as IEEE says. A -inf in q makes a row whose visible scores are all -inf: 0/0 = NaN.
+    dtype = torch.float32
+    q, k, v = _planted(which, 20, value, dtype)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    got = _grads(TritonAttentionOp(), (q, k, v), grad_out)
+    ref = _grads(lambda q, k, v: NativeAttentionOp()(q=q, k=k, v=v), (q, k, v), grad_out)
+    assert torch.isnan(ref[0]).any() or torch.isinf(ref[0]).any() or which != 0
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        assert_same_non_finite(name, a, b)
+        finite = torch.isfinite(b)
+        assert finite.any() and (a[finite] - b[finite]).abs().max() <= TOL[dtype] * max(1.0, b[finite].abs().max())
+
+
+def test_a_leaking_gold_is_caught():
+    # Planted bug: the old gold (softmax, then nan_to_num, then a plain product) hides q's NaN and leaks
+    # v's NaN to rows that do not see it; the position check above must reject both.
+    def old_gold(q, k, v):
+        k, v = k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2)
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k) / 4
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+        return torch.einsum("bhqk,bkhd->bqhd", torch.nan_to_num(torch.softmax(s, -1), nan=0.0), v)
+
+    for which in (0, 2):
+        q, k, v = _planted(which, 20, float("nan"), torch.float32)
+        with pytest.raises(AssertionError, match="NaN positions"):
+            assert_same_non_finite("out", triton_attention(q, k, v), old_gold(q, k, v))
 
 
 def test_non_causal_and_explicit_scale():
@@ -151,3 +213,19 @@ def test_gpu_qwen3_8b_geometry_bf16(seq_len):
         assert err <= 3 * base_err + 1e-3, f"{name}: error {err} vs bf16 baseline {base_err}"
     again = _grads(TritonAttentionOp(), (q, k, v), grad_out)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_gpu_every_head_size_and_dtype(dtype, head_dim):
+    # Compiles and runs every kernel (forward, delta, dQ, dK/dV) at every head size; short sequences.
+    q, k, v = _qkv(2, 77, 4, 2, head_dim, dtype, seed=head_dim)
+    grad_out = torch.randn(q.shape, device=DEVICE, dtype=dtype)
+    got = _grads(TritonAttentionOp(), (q, k, v), grad_out)
+    ref = _grads(lambda q, k, v: NativeAttentionOp()(q=q, k=k, v=v), (q, k, v), grad_out.float())
+    base = _grads(lambda q, k, v: NativeAttentionOp().baseline(q=q, k=k, v=v), (q, k, v), grad_out)
+    for name, a, r, bl in zip(("out", "dq", "dk", "dv"), got, ref, base):
+        assert torch.isfinite(a).all(), f"{name}: non-finite values"
+        err, base_err = (a.float() - r).abs().max().item(), (bl.float() - r).abs().max().item()
+        assert err <= 3 * base_err + 1e-3, f"{name}: error {err} vs {dtype} baseline {base_err}"

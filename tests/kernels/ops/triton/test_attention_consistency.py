@@ -157,6 +157,14 @@ def test_gradients_are_the_same_in_padded_and_packed_batches_bf16():
     assert_gradients_bitwise_equal(_sequences([29, 6, 17], 4, 2, 16, torch.bfloat16, seed=3))
 
 
+@pytest.mark.parametrize("head_dim, dtype", [(8, torch.bfloat16), (80, torch.float32)])
+def test_every_form_gives_the_same_bits_padded_head(head_dim, dtype):
+    # Head sizes padded inside the kernel (8 -> 16 lanes, 80 -> 128) keep every form bitwise equal.
+    seqs = _sequences([21, 4], 4, 2, head_dim, dtype, seed=head_dim)
+    assert_all_forms_bitwise_equal(seqs)
+    assert_gradients_bitwise_equal(seqs)
+
+
 def test_another_key_block_size_is_caught(monkeypatch):
     # Planted bug: a path that walks keys in other blocks (8 instead of 16) must not pass as bitwise.
     (q, k, v), = _sequences([37], 2, 1, 16, torch.float32, seed=5)
@@ -177,3 +185,12 @@ def test_gpu_every_form_gives_the_same_bits_qwen3_8b():
 @pytest.mark.gpu
 def test_gpu_gradients_are_the_same_in_padded_and_packed_batches_qwen3_8b():
     assert_gradients_bitwise_equal(_sequences([2048, 1000, 333, 1], 32, 8, 128, torch.bfloat16, seed=12))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [8, 16, 32, 64, 80, 96, 128, 192, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_gpu_every_form_gives_the_same_bits_every_head_size(dtype, head_dim):
+    seqs = _sequences([77, 16, 1], 4, 2, head_dim, dtype, seed=head_dim)
+    assert_all_forms_bitwise_equal(seqs, chunk=7)
+    assert_gradients_bitwise_equal(seqs)

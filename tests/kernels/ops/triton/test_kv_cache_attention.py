@@ -57,6 +57,27 @@ def test_matches_gold(dtype, heads, sq):
     _check(TritonKvCacheAttentionOp()(q, k, v, lens), _gold(q, k, v, lens), dtype)
 
 
+@pytest.mark.parametrize("where", ["q", "cache"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_non_finite_values_reach_the_rows_the_gold_says(where, value):
+    # The gold, given the raw cache (NaN beyond each length), must not be poisoned by slots no query
+    # sees; a value planted in q row 1 or at cache position 9 of row 1 (seen by its later queries only,
+    # inside a 16-key block) reaches exactly the rows the gold says, in v and k alike.
+    q, k, v, lens = _inputs(2, 7, 24, 4, 2, 16, torch.float32, [7, 14])
+    if where == "q":
+        q[1, 1, 2, 5] = value
+    else:
+        k[1, 9, 0, 5] = value
+        v[1, 9, 1, 5] = value
+    out = TritonKvCacheAttentionOp()(q, k, v, lens)
+    ref = NativeKvCacheAttentionOp()(q=q, k_cache=k, v_cache=v, cache_seqlens=lens)
+    for what, test in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        assert torch.equal(test(out), test(ref)), f"{what} positions differ from the gold"
+    assert test(ref).sum() < ref.numel() and not torch.isnan(ref[0]).any()
+    finite = torch.isfinite(ref)
+    assert (out[finite] - ref[finite]).abs().max() <= TOL[torch.float32]
+
+
 def test_lengths_on_the_device_and_explicit_scale():
     q, k, v, lens = _inputs(2, 3, 24, 2, 1, 16, torch.float32, [3, 21])
     out = triton_kv_cache_attention(q, k, v, lens.to(DEVICE).to(torch.int32), scale=0.2)
