@@ -8,18 +8,46 @@ Also under the interpreter (Triton 3.6), `x.to(tl.bfloat16)` from fp32 *truncate
 rounding to nearest even (and flushes bf16 subnormals), so about half of all bf16 outputs differ by
 one ulp from the GPU's. Kernels store bf16 through `cast_rne(x, dtype)`: the plain `.to` on the GPU,
 an explicit round-to-nearest-even of the fp32 bits under the interpreter.
+
+Triton < 3.7's interpreter turns 1-element arrays into Python scalars, which numpy 2.4 refuses
+("only 0-dimensional arrays can be converted to Python scalars", deep inside the first kernel).
+Measured: Triton 3.6 runs with numpy 2.2 and 2.3 and fails with 2.4.0; Triton 3.7.1, 3.8 and 3.9
+run with numpy 2.4. Importing this module under the interpreter refuses that pairing in one line.
 """
 
 from __future__ import annotations
 
 import os
+import re
 
+import numpy
 import triton
 import triton.language as tl
 
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        raise ValueError(f"not a version: {version!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def check_interpreter_versions(triton_version: str | None = None, numpy_version: str | None = None) -> None:
+    """ImportError (one line) under TRITON_INTERPRET=1 when this Triton's interpreter cannot run on this numpy."""
+    triton_version = triton_version or triton.__version__
+    numpy_version = numpy_version or numpy.__version__
+    if interpreting() and _major_minor(triton_version) < (3, 7) and _major_minor(numpy_version) >= (2, 4):
+        raise ImportError(
+            f"Triton {triton_version}'s CPU interpreter (TRITON_INTERPRET=1) fails with numpy {numpy_version}: "
+            'install "numpy<2.4" or Triton >= 3.7'
+        )
+
+
+check_interpreter_versions()
 
 
 def dot_fp32(dtype) -> bool:

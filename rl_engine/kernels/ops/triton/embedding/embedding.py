@@ -70,10 +70,12 @@ def _embedding_segment_kernel(
     long_run = run_end - start > SEGMENT
     short_run = run_end - start <= SEGMENT
     vocab_row = tl.load(sorted_ids_ptr + pos).to(tl.int64)
+    # Masks are block comparisons, not `col_mask & <scalar condition>`: Triton 3.9's interpreter
+    # broadcasts a scalar comparison into an integer array, which store rejects as a mask.
     tl.store(grad_weight_ptr + vocab_row * H + cols, cast_rne(acc, grad_weight_ptr.dtype.element_ty),
-             mask=col_mask & starts_segment & short_run)
+             mask=cols < tl.where(starts_segment & short_run, H, 0))
     slot = 2 * (pos // SEGMENT) + (pos == start).to(tl.int64)
-    tl.store(partial_ptr + slot * H + cols, acc, mask=col_mask & starts_segment & long_run)
+    tl.store(partial_ptr + slot * H + cols, acc, mask=cols < tl.where(starts_segment & long_run, H, 0))
 
 
 @triton.jit
@@ -94,7 +96,7 @@ def _embedding_long_run_kernel(
         acc += tl.load(partial_ptr + slot * H + cols, mask=col_mask, other=0.0)
     vocab_row = tl.load(sorted_ids_ptr + pos).to(tl.int64)
     tl.store(grad_weight_ptr + vocab_row * H + cols, cast_rne(acc, grad_weight_ptr.dtype.element_ty),
-             mask=col_mask & owns_long_run)
+             mask=cols < tl.where(owns_long_run, H, 0))  # a block comparison: see above
 
 
 # Rows summed per step of the backward and rows per segment: constants, so the summation order

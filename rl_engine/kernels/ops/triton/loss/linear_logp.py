@@ -233,7 +233,10 @@ def _matmul_kernel(
         b_ptrs += BLOCK_K * stride_bk
     tl.store(c_ptrs, cast_rne(acc, c_ptr.dtype.element_ty), mask=c_mask)
     if ROW_SUM:
-        tl.store(row_sum_ptr + rows, cast_rne(row_sum, row_sum_ptr.dtype.element_ty), mask=(rows < M) & (tile_n == 0))
+        # A block comparison, not `row_ok & (tile_n == 0)`: Triton 3.9's interpreter broadcasts a scalar
+        # comparison into an integer array, which store rejects as a mask.
+        tl.store(row_sum_ptr + rows, cast_rne(row_sum, row_sum_ptr.dtype.element_ty),
+                 mask=rows < tl.where(tile_n == 0, M, 0))
 
 
 def _dot_options(dtype: torch.dtype) -> dict:

@@ -74,7 +74,9 @@ def _rms_norm_backward_kernel(
     for row in range(first, last):
         dy = dy_next.to(tl.float32)
         x = x_next.to(tl.float32)
-        next_mask = mask & (row + 1 < last)
+        # A block comparison, not `mask & (row + 1 < last)`: Triton 3.9's interpreter broadcasts a scalar
+        # comparison into an integer array, which load and store reject as a mask.
+        next_mask = cols < tl.where(row + 1 < last, H, 0)
         dy_next = tl.load(dy_ptr + (row + 1) * H + cols, mask=next_mask, other=0.0)
         x_next = tl.load(x_ptr + (row + 1) * H + cols, mask=next_mask, other=0.0)
         rstd = tl.load(rstd_ptr + row)

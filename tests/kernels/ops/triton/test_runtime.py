@@ -1,0 +1,54 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rl_engine.kernels.ops.triton import runtime
+
+# Measured pairings (runtime.py): Triton 3.6 fails under the interpreter with numpy 2.4, not 2.3.
+REFUSED = [("3.6.0", "2.4.0"), ("3.6.0", "2.4.6"), ("3.5.1", "2.5.0.dev0")]
+ACCEPTED = [("3.6.0", "2.2.6"), ("3.6.0", "2.3.5"), ("3.7.0", "2.4.0"), ("3.9.0", "2.4.6"), ("3.10.0+git1", "3.0.0")]
+
+
+@pytest.mark.parametrize("triton_version, numpy_version", REFUSED)
+def test_the_interpreter_refuses_an_old_triton_with_a_new_numpy_in_one_line(monkeypatch, triton_version,
+                                                                              numpy_version):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ImportError) as info:
+        runtime.check_interpreter_versions(triton_version, numpy_version)
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"Triton {triton_version}" in message and f"numpy {numpy_version}" in message
+    assert 'install "numpy<2.4" or Triton >= 3.7' in message
+
+
+@pytest.mark.parametrize("triton_version, numpy_version", ACCEPTED)
+def test_working_pairings_pass(monkeypatch, triton_version, numpy_version):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    runtime.check_interpreter_versions(triton_version, numpy_version)
+
+
+def test_a_gpu_launch_is_not_refused(monkeypatch):
+    # The numpy limit is the interpreter's: compiled kernels never touch numpy.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    runtime.check_interpreter_versions("3.6.0", "2.4.6")
+
+
+def test_check_op_reports_the_pairing_in_one_line_and_exits_2():
+    # The check runs when a kernel module is first imported; fake the versions before that import.
+    code = (
+        "import sys, numpy, triton\n"
+        "numpy.__version__ = '2.4.1'\n"
+        "triton.__version__ = '3.6.0'\n"
+        "from rl_engine.cli import main\n"
+        "sys.exit(main(['check-op', '--op', 'silu', '--candidate', 'triton', '--device', 'cpu', '--dtype', 'fp32']))\n"
+    )
+    root = str(Path(runtime.__file__).resolve().parents[4])  # the checkout under test, wherever pytest runs
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Triton 3.6.0's CPU interpreter (TRITON_INTERPRET=1) fails with numpy 2.4.1" in lines[0]
