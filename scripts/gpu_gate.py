@@ -3,9 +3,9 @@
     python scripts/gpu_gate.py --out DIR [--workers N]
 
 Runs on the H200 whenever kernel code changes (a subset is not a green run):
-  1. `pytest -m gpu tests` (pytest-xdist workers when installed: Triton compiles are CPU-bound);
-  2. at the same time, `check-op --candidate triton --check-invariance` for every op in the harness's op list, bf16
-     and fp32, Qwen3-8B geometry, seq 1024, with `--check-grad` where the op declares a Triton backward.
+  1. `check-op --candidate triton --check-invariance` for every op in the harness's op list, bf16
+     and fp32, Qwen3-8B geometry, seq 1024, with `--check-grad` where the op declares a Triton backward;
+  2. then `pytest -m gpu tests` (pytest-xdist workers when installed: Triton compiles are CPU-bound).
 Writes DIR/gpu_gate.log (everything, in order of completion), DIR/gpu_gate_summary.json,
 DIR/pytest_gpu.log and DIR/check_op/check_op_<op>_<dtype>.json.
 Exit 0 only when nothing failed, errored or was skipped; 1 otherwise; 2 without CUDA.
@@ -14,6 +14,7 @@ Exit 0 only when nothing failed, errored or was skipped; 1 otherwise; 2 without 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -38,16 +39,17 @@ def log(fh, line: str) -> None:
     fh.flush()
 
 
-def environment() -> dict:
+def environment(commit: str | None) -> dict:
     import numpy
     import torch
     import triton
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
-    except OSError:
-        commit = None
+    if commit is None:  # a copied tree may carry a stale .git: --commit names what was copied
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                    text=True, timeout=10).stdout.strip() or None
+        except OSError:
+            pass
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit,
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "numpy": numpy.__version__, "python": platform.python_version()}
@@ -120,6 +122,7 @@ def main() -> int:
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for the log, the summary and the check-op reports")
     parser.add_argument("--workers", type=int, default=6, help="pytest-xdist workers for the suite (default 6)")
+    parser.add_argument("--commit", default=None, help="the commit under test (default: git rev-parse HEAD)")
     args = parser.parse_args()
     out = check_writable(args.out, "--out", directory=True)
     import torch
@@ -130,11 +133,14 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(out / "gpu_gate.log", "w") as fh:
-        env = environment()
+        env = environment(args.commit)
         log(fh, "GPU gate " + " ".join(f"{k}={v}" for k, v in env.items()))
+        # One after the other: the suite's workers and the 8B-geometry checks together overrun 141 GB.
+        ops = check_ops(out, fh)
+        gc.collect()
+        torch.cuda.empty_cache()
         pytest_proc = start_pytest(out, args.workers)
         try:
-            ops = check_ops(out, fh)
             pytest_rc = pytest_proc.wait()
         except BaseException:  # an interrupt: the suite must not run on alone
             os.killpg(pytest_proc.pid, signal.SIGKILL)
