@@ -12,6 +12,7 @@ import torch
 from rl_engine.kernels.ops.pytorch.attention.kv_cache_attention import NativeKvCacheAttentionOp
 from rl_engine.kernels.ops.triton.attention import TritonKvCacheAttentionOp, triton_kv_cache_attention
 from rl_engine.kernels.ops.triton.runtime import dot_fp32
+from rl_engine.testing import assert_never_quieter
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
@@ -61,8 +62,9 @@ def test_matches_gold(dtype, heads, sq):
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_non_finite_values_reach_the_rows_the_gold_says(where, value):
     # The gold, given the raw cache (NaN beyond each length), must not be poisoned by slots no query
-    # sees; a value planted in q row 1 or at cache position 9 of row 1 (seen by its later queries only,
-    # inside a 16-key block) reaches exactly the rows the gold says, in v and k alike.
+    # sees; a value planted in q row 1 reaches exactly the rows the gold says; one at cache position 9 of
+    # row 1 (seen by its later queries only, inside a 16-key block) reaches them and may spread NaN to the
+    # block's earlier queries (flash.py says why), never hide.
     q, k, v, lens = _inputs(2, 7, 24, 4, 2, 16, torch.float32, [7, 14])
     if where == "q":
         q[1, 1, 2, 5] = value
@@ -71,11 +73,12 @@ def test_non_finite_values_reach_the_rows_the_gold_says(where, value):
         v[1, 9, 1, 5] = value
     out = TritonKvCacheAttentionOp()(q, k, v, lens)
     ref = NativeKvCacheAttentionOp()(q=q, k_cache=k, v_cache=v, cache_seqlens=lens)
-    for what, test in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
-        assert torch.equal(test(out), test(ref)), f"{what} positions differ from the gold"
-    assert test(ref).sum() < ref.numel() and not torch.isnan(ref[0]).any()
-    finite = torch.isfinite(ref)
-    assert (out[finite] - ref[finite]).abs().max() <= TOL[torch.float32]
+    assert_never_quieter("out", out, ref)
+    if where == "q":
+        assert torch.equal(torch.isfinite(out), torch.isfinite(ref))
+    assert not torch.isfinite(ref).all() and torch.isfinite(ref[0]).all() and torch.isfinite(out[0]).all()
+    both = torch.isfinite(out) & torch.isfinite(ref)
+    assert (out[both] - ref[both]).abs().max() <= TOL[torch.float32]
 
 
 def test_lengths_on_the_device_and_explicit_scale():

@@ -32,16 +32,12 @@ Head sizes: the head dim is padded inside the kernel to BLOCK_D = max(16, next_p
 (`block_d`), so every `tl.dot` has M, N, K >= 16 (what the GPU compiler needs) for any head_dim <= 256;
 padded lanes load as exact zeros and add exact zeros to fp32 accumulators, which changes no bits.
 
-Non-finite inputs follow IEEE over the VISIBLE (query, key) pairs only, as the gold does: a NaN/inf in
-q row i reaches row i; in k/v at key j, only the rows that see j. Scores and weights of invisible pairs
-are replaced by `where`, never multiplied; but a `tl.dot` whose weights are 0 for an invisible pair and
-whose operand row is NaN/inf would give 0·NaN = NaN, so the operand of each such product (v forward;
-k for dQ; q for dK) goes in with its non-finite entries zeroed (finite inputs: the same bits). A
-program that met any walks its blocks a second time, only then, for exact counts of the visible
-non-finite terms and applies IEEE's verdict (`_with_nonfinite_terms`); the main loop
-stays as lean as before. (dO is taken as finite: the gradient of a loss.)
-A row with no visible key (decided from the mask, never from the values) outputs 0; a row whose
-visible scores are all −inf outputs 0/0 = NaN, as softmax does.
+Non-finite inputs are never hidden: a NaN/inf in q row i, or in k/v at a key row i sees, makes row i
+non-finite as IEEE says. Invisible scores are replaced by `where`, but the tile products (p·v forward,
+ds·k for dQ, ds·q for dK) multiply an invisible pair's exact 0 weight by its operand, so a NaN/inf in
+k/v (or q, for dK) at a key hidden by the causal mask inside the same key block also makes the rows
+that share the block NaN: louder than the gold, never quieter. Zeroing non-finite operands in the main
+loop and a second exact pass cost 33–60% of the H200 throughput (measured 2026-11-30), so we don't.
 """
 
 from __future__ import annotations
@@ -130,56 +126,8 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 or dot_fp32(dtype) else "tf32"
 
 
-@triton.jit
-def _finite_part(x):
-    """x with NaN/±inf zeroed (x itself when finite: no bits change), and 1 if it had any, else 0."""
-    ok = tl.abs(x) < float("inf")  # False for NaN too
-    return tl.where(ok, x, tl.zeros_like(x)), tl.max(tl.where(ok, 0, 1))
-
-
-@triton.jit
-def _with_nonfinite_terms(acc, w, visible, x):
-    """acc (holding the finite part of a sum) plus one block's visible terms w[i,j]·x[j,d] whose x is
-    non-finite, as IEEE adds them: a NaN term (x NaN, or 0·inf) makes NaN, a ±inf term adds ±inf (so +inf
-    meeting −inf, or a NaN acc, stays NaN). Which terms exist comes from 0/1 fp16 dots with fp32
-    accumulation, exact counts; one count is live at a time, to keep this rare path's registers low."""
-    x_pos = (x == float("inf")).to(tl.float16)
-    x_neg = (x == float("-inf")).to(tl.float16)
-    w_pos = (visible & (w > 0)).to(tl.float16)
-    w_neg = (visible & (w < 0)).to(tl.float16)
-    n = tl.dot(visible.to(tl.float16), (x != x).to(tl.float16))
-    n = tl.dot((visible & (w == 0)).to(tl.float16), x_pos + x_neg, n)
-    acc = tl.where(n > 0, float("nan"), acc)
-    n = tl.dot(w_neg, x_neg, tl.dot(w_pos, x_pos))
-    acc = tl.where(n > 0, acc + float("inf"), acc)
-    n = tl.dot(w_neg, x_pos, tl.dot(w_pos, x_neg))
-    return tl.where(n > 0, acc - float("inf"), acc)
-
-
 # --------------------------------------------------------------------------------------------------
 # forward
-
-
-@triton.jit
-def _forward_block(q, K, V, k_row0, kv_head, stride_kr, stride_kh, start_n, kv_len, q_pos, window, d, d_ok,
-                   qk_scale, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
-    """One key block: masked scores s (log2 units), visibility, and v."""
-    k_pos = start_n + tl.arange(0, BLOCK_N)
-    k_ok = k_pos < kv_len
-    k_off = (k_row0 + k_pos).to(tl.int64) * stride_kr + kv_head * stride_kh
-    kv_mask = k_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    if DOT_FP32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    visible = k_ok[None, :] & (k_pos[None, :] > q_pos[:, None] - window)
-    if CAUSAL:
-        visible = visible & (k_pos[None, :] <= q_pos[:, None])
-    # Invisible scores are replaced, never multiplied: a NaN k there cannot leak.
-    return tl.where(visible, s, float("-inf")), visible, v
 
 
 @triton.jit(do_not_specialize=["heads_per_tile", "q_per_tile"])
@@ -228,10 +176,20 @@ def _flash_forward_kernel(
     # Blocks stay aligned to the first key; only windowed (padding) rows skip the leading ones.
     lo = (tl.maximum(q_pos0 + pid_m * q_per_tile - window + 1, 0) // BLOCK_N) * BLOCK_N
     kv_base = K.dtype.element_ty
-    bad = tl.full([], 0, tl.int32)
     for start_n in range(lo, hi, BLOCK_N):
-        s, visible, v = _forward_block(q, K, V, k_row0, kv_head, stride_kr, stride_kh, start_n, kv_len, q_pos,
-                                       window, d, d_ok, qk_scale, CAUSAL, BLOCK_N, DOT_FP32, DOT_PRECISION)
+        k_pos = start_n + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < kv_len
+        k_off = (k_row0 + k_pos).to(tl.int64) * stride_kr + kv_head * stride_kh
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        visible = k_ok[None, :] & (k_pos[None, :] > q_pos[:, None] - window)
+        if CAUSAL:
+            visible = visible & (k_pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.math.exp2(m - m_new)
         p = tl.math.exp2(s - m_new[:, None])
@@ -241,26 +199,14 @@ def _flash_forward_kernel(
         l = l * alpha + tl.sum(p_v.to(tl.float32), 1)
         if DOT_FP32:
             p_v = p_v.to(tl.float32)
-        v_fin, v_bad = _finite_part(v)
-        bad = tl.maximum(bad, v_bad)
-        acc = tl.dot(p_v, v_fin, acc * alpha[:, None], input_precision=DOT_PRECISION)
+            v = v.to(tl.float32)
+        acc = tl.dot(p_v, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m = m_new
-    if bad > 0:  # rare: walk the blocks again for IEEE's verdict on the non-finite v (weights by the final m)
-        for start_n in range(lo, hi, BLOCK_N):
-            s, visible, v = _forward_block(q, K, V, k_row0, kv_head, stride_kr, stride_kh, start_n, kv_len, q_pos,
-                                           window, d, d_ok, qk_scale, CAUSAL, BLOCK_N, DOT_FP32, DOT_PRECISION)
-            w = cast_rne(tl.math.exp2(s - m[:, None]), kv_base).to(tl.float32)
-            acc = _with_nonfinite_terms(acc, w, visible, v)
 
-    # A query with no visible key outputs 0 (decided from the mask: NaN inputs stay NaN, and a row whose
-    # visible scores are all -inf gives 0/0 = NaN as softmax does).
-    first_key = tl.maximum(q_pos - window + 1, 0)
-    end_key = tl.zeros_like(q_pos) + kv_len
-    if CAUSAL:
-        end_key = tl.minimum(end_key, q_pos + 1)
-    has_key = row_ok & (end_key > first_key)  # rows outside the sequence are never stored
-    l_safe = tl.where(has_key, l, 1.0)
-    out = tl.where(has_key[:, None], acc / l_safe[:, None], 0.0)
+    # A query with no visible key outputs 0, not NaN; a NaN l (inf − inf in the scores) stays NaN, so
+    # the lse and the backward's weights of that row are NaN too, as the gold's softmax says.
+    l_safe = tl.where(l == 0.0, 1.0, l)
+    out = acc / l_safe[:, None]
     o_off = (q_row0 + q_idx).to(tl.int64) * stride_or + head * stride_oh
     tl.store(O + o_off[:, None] + d[None, :], cast_rne(out, O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     lse = m + tl.math.log2(l_safe)  # rows without keys are never stored
@@ -324,34 +270,6 @@ def _flash_backward_delta_kernel(
 
 
 @triton.jit
-def _dq_block(q, do, lse, delta, K, V, k_row0, kv_head, stride_kr, stride_kh, start_n, kv_len, q_pos, row_ok, window,
-              d, d_ok, qk_scale, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
-    """One key block of dQ: the weights ds (rounded to k's dtype), visibility, and k."""
-    k_pos = start_n + tl.arange(0, BLOCK_N)
-    k_ok = k_pos < kv_len
-    k_off = (k_row0 + k_pos).to(tl.int64) * stride_kr + kv_head * stride_kh
-    kv_mask = k_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    k_base = K.dtype.element_ty
-    if DOT_FP32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    visible = k_ok[None, :] & row_ok[:, None] & (k_pos[None, :] > q_pos[:, None] - window)
-    if CAUSAL:
-        visible = visible & (k_pos[None, :] <= q_pos[:, None])
-    p = tl.where(visible, tl.math.exp2(s - lse[:, None]), 0.0)
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-    ds = tl.where(visible, p * (dp - delta[:, None]), 0.0)  # replaced, not multiplied: a hidden NaN stays out
-    ds_k = cast_rne(ds, k_base)
-    if DOT_FP32:
-        ds_k = ds_k.to(tl.float32)
-    return ds_k, visible, k
-
-
-@triton.jit
 def _flash_backward_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, SEQ_INFO,
     stride_qr, stride_qh, stride_kr, stride_kh, stride_lr,
@@ -392,55 +310,30 @@ def _flash_backward_dq_kernel(
         hi = tl.minimum(kv_len, q_pos0 + tl.minimum((pid_m + 1) * BLOCK_M, q_count))
     hi = tl.where(pid_m * BLOCK_M < q_count, hi, 0)
     lo = (tl.maximum(q_pos0 + pid_m * BLOCK_M - window + 1, 0) // BLOCK_N) * BLOCK_N
-    bad = tl.full([], 0, tl.int32)
+    k_base = K.dtype.element_ty
     for start_n in range(lo, hi, BLOCK_N):
-        ds_k, visible, k = _dq_block(q, do, lse, delta, K, V, k_row0, kv_head, stride_kr, stride_kh, start_n, kv_len,
-                                     q_pos, row_ok, window, d, d_ok, qk_scale, CAUSAL, BLOCK_N, DOT_FP32, DOT_PRECISION)
-        k_fin, k_bad = _finite_part(k)
-        bad = tl.maximum(bad, k_bad)
-        dq = tl.dot(ds_k, k_fin, dq, input_precision=DOT_PRECISION)
-    if bad > 0:  # rare: IEEE's verdict on the non-finite k, from a second walk over the same blocks
-        for start_n in range(lo, hi, BLOCK_N):
-            ds_k, visible, k = _dq_block(q, do, lse, delta, K, V, k_row0, kv_head, stride_kr, stride_kh, start_n,
-                                         kv_len, q_pos, row_ok, window, d, d_ok, qk_scale, CAUSAL, BLOCK_N, DOT_FP32,
-                                         DOT_PRECISION)
-            dq = _with_nonfinite_terms(dq, ds_k.to(tl.float32), visible, k)
+        k_pos = start_n + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < kv_len
+        k_off = (k_row0 + k_pos).to(tl.int64) * stride_kr + kv_head * stride_kh
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        visible = k_ok[None, :] & row_ok[:, None] & (k_pos[None, :] > q_pos[:, None] - window)
+        if CAUSAL:
+            visible = visible & (k_pos[None, :] <= q_pos[:, None])
+        p = tl.where(visible, tl.math.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        ds_k = cast_rne(ds, k_base)
+        if DOT_FP32:
+            ds_k = ds_k.to(tl.float32)
+        dq = tl.dot(ds_k, k, dq, input_precision=DOT_PRECISION)
     dq = dq * scale
     tl.store(DQ + q_off[:, None] + d[None, :], cast_rne(dq, DQ.dtype.element_ty), mask=row_mask)
-
-
-@triton.jit
-def _dkdv_block(k, v, Q, DO, LSE, DELTA, q_row0, head, stride_qr, stride_qh, stride_lr, start_m, q_count, q_pos0,
-                k_pos, k_ok, window, d, d_ok, qk_scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One query block of dK/dV: weights p and ds (transposed, rounded to q's dtype), dO, visibility, q."""
-    q_idx = start_m + tl.arange(0, BLOCK_M)
-    row_ok = q_idx < q_count
-    q_pos = q_pos0 + q_idx
-    row_mask = row_ok[:, None] & d_ok[None, :]
-    q_off = (q_row0 + q_idx).to(tl.int64) * stride_qr + head * stride_qh
-    q = tl.load(Q + q_off[:, None] + d[None, :], mask=row_mask, other=0.0)
-    do = tl.load(DO + q_off[:, None] + d[None, :], mask=row_mask, other=0.0)
-    l_off = (q_row0 + q_idx).to(tl.int64) * stride_lr + head
-    lse = tl.load(LSE + l_off, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + l_off, mask=row_ok, other=0.0)
-    q_base = Q.dtype.element_ty
-    if DOT_FP32:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
-    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
-    visible = k_ok[:, None] & row_ok[None, :] & (k_pos[:, None] > q_pos[None, :] - window)
-    if CAUSAL:
-        visible = visible & (k_pos[:, None] <= q_pos[None, :])
-    p_t = tl.where(visible, tl.math.exp2(s_t - lse[None, :]), 0.0)
-    p_do = cast_rne(p_t, q_base)
-    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-    ds_t = tl.where(visible, p_t * (dp_t - delta[None, :]), 0.0)  # replaced, not multiplied (hidden NaN)
-    ds_q = cast_rne(ds_t, q_base)
-    if DOT_FP32:
-        p_do = p_do.to(tl.float32)
-        ds_q = ds_q.to(tl.float32)
-    return p_do, do, ds_q, visible, q
 
 
 @triton.jit
@@ -482,25 +375,38 @@ def _flash_backward_dkdv_kernel(
         lo = (tl.maximum(start_n - q_pos0, 0) // BLOCK_M) * BLOCK_M
     hi = tl.where(start_n < kv_len, q_count, 0)
     hi = tl.minimum(hi, start_n + BLOCK_N - 1 + window - q_pos0)  # the window's last query (padding rows)
-    bad = tl.full([], 0, tl.int32)
+    q_base = Q.dtype.element_ty
     for g in range(0, group):  # the group's query heads, summed in a fixed order (no atomics)
         head = kv_head * group + g
         for start_m in range(lo, hi, BLOCK_M):
-            p_do, do, ds_q, visible, q = _dkdv_block(
-                k, v, Q, DO, LSE, DELTA, q_row0, head, stride_qr, stride_qh, stride_lr, start_m, q_count, q_pos0,
-                k_pos, k_ok, window, d, d_ok, qk_scale, CAUSAL, BLOCK_M, DOT_FP32, DOT_PRECISION)
+            q_idx = start_m + tl.arange(0, BLOCK_M)
+            row_ok = q_idx < q_count
+            q_pos = q_pos0 + q_idx
+            row_mask = row_ok[:, None] & d_ok[None, :]
+            q_off = (q_row0 + q_idx).to(tl.int64) * stride_qr + head * stride_qh
+            q = tl.load(Q + q_off[:, None] + d[None, :], mask=row_mask, other=0.0)
+            do = tl.load(DO + q_off[:, None] + d[None, :], mask=row_mask, other=0.0)
+            l_off = (q_row0 + q_idx).to(tl.int64) * stride_lr + head
+            lse = tl.load(LSE + l_off, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + l_off, mask=row_ok, other=0.0)
+            if DOT_FP32:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+            visible = k_ok[:, None] & row_ok[None, :] & (k_pos[:, None] > q_pos[None, :] - window)
+            if CAUSAL:
+                visible = visible & (k_pos[:, None] <= q_pos[None, :])
+            p_t = tl.where(visible, tl.math.exp2(s_t - lse[None, :]), 0.0)
+            p_do = cast_rne(p_t, q_base)
+            if DOT_FP32:
+                p_do = p_do.to(tl.float32)
             dv = tl.dot(p_do, do, dv, input_precision=DOT_PRECISION)
-            q_fin, q_bad = _finite_part(q)
-            bad = tl.maximum(bad, q_bad)
-            dk = tl.dot(ds_q, q_fin, dk, input_precision=DOT_PRECISION)
-    if bad > 0:  # rare: IEEE's verdict on the non-finite q, from a second walk over the same blocks
-        for g in range(0, group):
-            head = kv_head * group + g
-            for start_m in range(lo, hi, BLOCK_M):
-                p_do, do, ds_q, visible, q = _dkdv_block(
-                    k, v, Q, DO, LSE, DELTA, q_row0, head, stride_qr, stride_qh, stride_lr, start_m, q_count, q_pos0,
-                    k_pos, k_ok, window, d, d_ok, qk_scale, CAUSAL, BLOCK_M, DOT_FP32, DOT_PRECISION)
-                dk = _with_nonfinite_terms(dk, ds_q.to(tl.float32), visible, q)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            ds_q = cast_rne(ds_t, q_base)
+            if DOT_FP32:
+                ds_q = ds_q.to(tl.float32)
+            dk = tl.dot(ds_q, q, dk, input_precision=DOT_PRECISION)
     dk = dk * scale
     tl.store(DK + k_off[:, None] + d[None, :], cast_rne(dk, DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + k_off[:, None] + d[None, :], cast_rne(dv, DV.dtype.element_ty), mask=kv_mask)
