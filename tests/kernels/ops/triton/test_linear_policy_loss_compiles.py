@@ -9,6 +9,12 @@ from triton.runtime.jit import JITFunction
 from rl_engine.kernels.ops.triton.loss import linear_policy_loss as ops
 
 
+@pytest.fixture(autouse=True)
+def _the_compiler_not_the_interpreter(monkeypatch):
+    # Triton >= 3.7 reads TRITON_INTERPRET while it builds: with it set, the GPU compile takes interpreter paths.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
 def _compile(kernel, floats, constexprs):
     fn = JITFunction(getattr(kernel, "fn", kernel))  # under TRITON_INTERPRET the decorator wraps it
     signature = {name: ("constexpr" if name in constexprs else "*fp32" if name.endswith("_ptr") else
