@@ -1,33 +1,43 @@
 """The interpreter runs code a GPU compiler refuses (e.g. a jit function reading a non-constexpr global):
-compile the policy-loss kernels that carry the gold's constants for sm_90, on the CPU (no GPU needed)."""
+compile the policy-loss kernels that carry the gold's constants for sm_90, on the CPU (no GPU needed).
 
-import pytest
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, compile
-from triton.runtime.jit import JITFunction
+The compile runs in a child process without TRITON_INTERPRET: Triton >= 3.7 reads that setting while it
+builds and imports, so a process that interprets cannot also compile."""
 
-from rl_engine.kernels.ops.triton.loss import linear_policy_loss as ops
-
-
-@pytest.fixture(autouse=True)
-def _the_compiler_not_the_interpreter(monkeypatch):
-    # Triton >= 3.7 reads TRITON_INTERPRET while it builds: with it set, the GPU compile takes interpreter paths.
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+import os
+import subprocess
+import sys
 
 
 def _compile(kernel, floats, constexprs):
-    fn = JITFunction(getattr(kernel, "fn", kernel))  # under TRITON_INTERPRET the decorator wraps it
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+    from triton.runtime.jit import JITFunction
+
+    fn = JITFunction(getattr(kernel, "fn", kernel))
     signature = {name: ("constexpr" if name in constexprs else "*fp32" if name.endswith("_ptr") else
                         "fp32" if name in floats else "i32") for name in fn.arg_names}
     return compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
 
 
-@pytest.mark.parametrize("gspo", [False, True], ids=["ppo", "gspo"])
-def test_token_terms_kernel_compiles_for_sm90(gspo):
+def compile_all() -> None:
+    from rl_engine.kernels.ops.triton.loss import linear_policy_loss as ops
+
     floats = ("clip_lo", "clip_hi", "clip_c", "kl_coef", "entropy_coef")
-    kernel = _compile(ops._token_terms_kernel, floats, dict(GSPO=gspo, HAS_REF=True, ENTROPY_BONUS=True, BLOCK=1024))
-    assert "ptx" in kernel.asm
+    for gspo in (False, True):
+        kernel = _compile(ops._token_terms_kernel, floats,
+                          dict(GSPO=gspo, HAS_REF=True, ENTROPY_BONUS=True, BLOCK=1024))
+        assert "ptx" in kernel.asm, f"token terms (gspo={gspo}): no PTX"
+    assert "ptx" in _compile(ops._seq_sum_kernel, (), dict(BLOCK=256)).asm, "seq sum: no PTX"
 
 
-def test_seq_sum_kernel_compiles_for_sm90():
-    assert "ptx" in _compile(ops._seq_sum_kernel, (), dict(BLOCK=256)).asm
+def test_policy_loss_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    child = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+
+
+if __name__ == "__main__":
+    compile_all()
