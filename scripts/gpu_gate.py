@@ -121,7 +121,7 @@ def check_ops(out: Path, fh) -> list[dict]:
 def main() -> int:
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for the log, the summary and the check-op reports")
-    parser.add_argument("--workers", type=int, default=6, help="pytest-xdist workers for the suite (default 6)")
+    parser.add_argument("--workers", type=int, default=4, help="pytest-xdist workers for the suite (default 4)")
     parser.add_argument("--commit", default=None, help="the commit under test (default: git rev-parse HEAD)")
     args = parser.parse_args()
     out = check_writable(args.out, "--out", directory=True)
