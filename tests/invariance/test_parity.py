@@ -42,3 +42,17 @@ def test_bitwise_parity_needs_exact_zero():
 def test_unjudgeable_inputs_fail(train, infer, message):
     with pytest.raises(ParityError, match=message):
         parity_aggregates(train, infer)
+
+
+def test_aggregates_are_the_trainer_metrics_on_an_all_active_mask():
+    # One definition per formula: the harness and rl_engine.metrics report the same numbers.
+    from rl_engine.metrics import PREFIX, rollout_corr_metrics
+
+    g = torch.Generator().manual_seed(3)
+    train = -torch.rand(40, generator=g) * 3
+    infer = train + torch.randn(40, generator=g) * 0.2
+    agg = parity_aggregates(train, infer)
+    m = rollout_corr_metrics(train, infer, torch.ones(40, dtype=torch.bool))
+    for k in ("max_abs_dlogp", "mean_abs_dlogp", "k3_kl", "clipfrac"):
+        assert agg[k] == float(m[PREFIX + k]), k
+    assert 0 < agg["clipfrac"] < 1
