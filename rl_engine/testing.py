@@ -8,7 +8,7 @@ import torch
 
 from rl_engine.kernels.gtest.op_checks import CandidateSpec, run_operator_suite
 from rl_engine.kernels.gtest.operator_inputs import OperatorDims
-from rl_engine.kernels.gtest.operator_specs import make_operator_case
+from rl_engine.kernels.gtest.operator_specs import make_candidate, make_operator_case
 from rl_engine.kernels.gtest.tolerance import load_contract
 
 
@@ -29,6 +29,9 @@ def assert_operator_matches(
 ):
     """Check `candidate_fn(**inputs)` against the gold of `op`; raise AssertionError with the report text.
 
+    `candidate_fn` is a callable, or a path as `check-op --candidate` takes it ("pytorch", "triton",
+    "module:attr"; a path that will not load raises UsageError).
+
     `dims` are OperatorDims fields (batch, seq, vocab, normalized_dim, ...); `contract` is a path or a
     contract dict (default: the packaged contract). Returns the report when the candidate passes.
     """
@@ -37,10 +40,13 @@ def assert_operator_matches(
         raise ValueError(f"dims: unknown {sorted(unknown)}; expected OperatorDims fields")
     if contract is None or not isinstance(contract, dict):
         contract = load_contract(contract)
-    case = make_operator_case(op, dtype=dtype, device=device, dims=OperatorDims(**dims), input_mode=input_mode,
-                              seed=seed)
-    candidate = CandidateSpec(name=getattr(candidate_fn, "__name__", type(candidate_fn).__name__),
-                              fn=candidate_fn, backend="user", arch_key=arch_key)
+    dims = OperatorDims(**dims)
+    case = make_operator_case(op, dtype=dtype, device=device, dims=dims, input_mode=input_mode, seed=seed)
+    if isinstance(candidate_fn, str):
+        candidate = make_candidate(op, candidate_fn, dims=dims, arch_key=arch_key)
+    else:
+        candidate = CandidateSpec(name=getattr(candidate_fn, "__name__", type(candidate_fn).__name__),
+                                  fn=candidate_fn, backend="user", arch_key=arch_key)
     report = run_operator_suite(op, candidates=[candidate], cases=[case], contract=contract, check_grad=check_grad,
                                 grad_mode=grad_mode, check_invariance=check_invariance, seed=seed)
     if not report.passed:

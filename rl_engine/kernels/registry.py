@@ -16,7 +16,6 @@ Backends:
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,8 +23,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from rl_engine.errors import UsageError
 from rl_engine.kernels.ops.pytorch.base import tf32_off
 from rl_engine.kernels.ops.pytorch.loss.logp import selected_logprobs
+from rl_engine.loading import load_object
 
 BACKENDS = ("reference", "torch", "triton")
 
@@ -71,15 +72,6 @@ def tf32_enabled() -> bool:
         return getattr(matmul, "fp32_precision", "tf32") == "tf32"
 
 
-def load_target(target: str):
-    module_path, _, attr = target.partition(":")
-    module = importlib.import_module(module_path)
-    obj = module
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 class Registry:
     def __init__(self):
         self._table: dict[tuple[str, str], Implementation] = {}
@@ -105,8 +97,8 @@ class Registry:
     def kernel(self, impl: Implementation):
         if impl.target not in self._kernels:
             try:
-                self._kernels[impl.target] = load_target(impl.target)
-            except (ImportError, AttributeError) as exc:
+                self._kernels[impl.target] = load_object(impl.target, "kernel")
+            except UsageError as exc:
                 raise MissingImplementation(
                     f"op {impl.op!r}, backend {impl.backend!r}: kernel {impl.target} is not available ({exc}); "
                     "no fallback is taken"

@@ -12,10 +12,10 @@ missing declaration counts as declaring nothing (fail closed).
 
 from __future__ import annotations
 
-import importlib
 from typing import Protocol, runtime_checkable
 
 from rl_engine.errors import UsageError
+from rl_engine.loading import construct, load_object
 from rl_engine.mhc import oracle
 from rl_engine.mhc.contract import FUSION_MODES, PLACEMENTS, TRAINABILITY, LayerContract
 from rl_engine.mhc.numerics import PROFILE
@@ -95,21 +95,7 @@ def resolve_provider(spec: str):
     module_name, sep, class_name = spec.partition(":")
     if not sep or not module_name or not class_name:
         raise UsageError(f"provider must be 'module:Class', got {spec!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:  # noqa: BLE001 - ImportError, SyntaxError, errors (SystemExit too) at import time
-        raise UsageError(f"cannot import provider module {module_name!r}: {type(exc).__name__}: {exc}") from exc
-    cls = getattr(module, class_name, None)
-    if cls is None:
-        raise UsageError(f"module {module_name!r} has no attribute {class_name!r}")
-    try:
-        provider = cls()
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:  # noqa: BLE001 - SystemExit included
-        raise UsageError(f"cannot construct provider {spec}: {type(exc).__name__}: {exc}") from exc
+    provider = construct(load_object(spec, "provider"), spec, "provider")
     if not isinstance(provider, MHCProvider):
         raise UsageError(f"{spec} is not an mHC provider (needs numeric_profile and capabilities())")
     return provider

@@ -27,7 +27,9 @@ DIM_FLAGS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--op", help=f"operator: {', '.join(OP_SPECS)}")
-    parser.add_argument("--candidate", default="pytorch", help="candidate backend (default pytorch: the smoke test)")
+    parser.add_argument("--candidate", default="pytorch",
+                        help="pytorch (default: the smoke test), triton, or module:attr: your own function or class "
+                             "(constructed like the gold op), called with the op's inputs as keywords")
     parser.add_argument("--dtype", default="fp32", help=f"case dtype: {', '.join(DTYPES)} (default fp32)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
     parser.add_argument("--arch-key", default=None,

@@ -9,15 +9,13 @@ the checker's own smoke test.
 
 from __future__ import annotations
 
-import functools
-import importlib
-import inspect
 from dataclasses import dataclass, field
 
 from rl_engine.errors import UsageError
 from rl_engine.kernels.gtest.op_checks import CandidateSpec, OperatorCase
 from rl_engine.kernels.gtest.operator_inputs import INPUT_BUILDERS, OperatorDims, make_operator_inputs, shape_name
 from rl_engine.kernels.gtest.tolerance import DTYPES, dtype_key
+from rl_engine.loading import load_callable
 
 GOLD_PACKAGE = "rl_engine.kernels.ops.pytorch"
 TRITON_PACKAGE = "rl_engine.kernels.ops.triton"
@@ -90,16 +88,6 @@ def get_spec(op: str) -> OperatorSpec:
     return OP_SPECS[op]
 
 
-def load_callable(path: str, **constructor_kwargs):
-    """The object a dotted path names: a class is instantiated with the kwargs, a function bound to them."""
-    module_name, _, attr = path.rpartition(".")
-    module = importlib.import_module(module_name)
-    target = getattr(module, attr)
-    if inspect.isclass(target):
-        return target(**constructor_kwargs)
-    return functools.partial(target, **constructor_kwargs) if constructor_kwargs else target
-
-
 def _constructor_kwargs(spec: OperatorSpec, dims: OperatorDims) -> dict:
     return {name: getattr(dims, name) for name in spec.constructor_dims}
 
@@ -121,7 +109,7 @@ def make_operator_case(
     key = dtype_key(dtype)
     inputs = make_operator_inputs(op, dims, dtype=DTYPES[key], device=device, input_mode=input_mode,
                                   constant_value=constant_value, token_value=token_value, seed=seed)
-    gold = load_callable(spec.gold_path, **_constructor_kwargs(spec, dims))
+    gold = load_callable(spec.gold_path, "gold op", **_constructor_kwargs(spec, dims))
     return OperatorCase(
         name=f"{op}-{key}-{shape_name(inputs)}", op_class=spec.op_class, dtype=DTYPES[key], inputs=inputs,
         gold_fn=gold, grad_input_names=spec.grad_input_names, baseline_fn=getattr(gold, "baseline", None),
@@ -129,16 +117,21 @@ def make_operator_case(
     )
 
 
-def make_candidate(op: str, backend: str, *, dims: OperatorDims | None = None, arch_key: str | None = None):
-    """The `backend` implementation of `op` as a CandidateSpec; UsageError when it is unknown or won't load."""
+def make_candidate(op: str, candidate: str, *, dims: OperatorDims | None = None, arch_key: str | None = None):
+    """A built-in backend of `op` ("pytorch", "triton") or any callable named "module:attr" (backend
+    "external") as a CandidateSpec; UsageError (one line) when it is unknown or won't load."""
     spec = get_spec(op)
-    if backend not in spec.candidate_paths:
-        raise UsageError(f"unknown candidate {backend!r} for op {op!r}; valid candidates: "
-                         f"{', '.join(spec.candidate_paths)}")
-    path = spec.candidate_paths[backend]
-    try:
-        fn = load_callable(path, **_constructor_kwargs(spec, dims or OperatorDims()))
-    except Exception as exc:  # a module not written yet, or one that fails to import
-        detail = " ".join(f"{type(exc).__name__}: {exc}".split())
-        raise UsageError(f"candidate {backend!r} for op {op!r} cannot be loaded from {path}: {detail}") from None
-    return CandidateSpec(name=f"{backend}-{op}", fn=fn, backend=backend, arch_key=arch_key)
+    kwargs = _constructor_kwargs(spec, dims or OperatorDims())
+    if candidate in spec.candidate_paths:
+        path = spec.candidate_paths[candidate]
+        try:
+            fn = load_callable(path, "candidate", **kwargs)
+        except UsageError as exc:  # a module not written yet, or one that fails to import
+            raise UsageError(f"candidate {candidate!r} for op {op!r} cannot be loaded: {exc}") from None
+        return CandidateSpec(name=f"{candidate}-{op}", fn=fn, backend=candidate, arch_key=arch_key)
+    if ":" not in candidate:
+        raise UsageError(f"unknown candidate {candidate!r} for op {op!r}; valid candidates: "
+                         f"{', '.join(spec.candidate_paths)}, or module:attr for your own")
+    # Constructed like the gold: a class gets the op's constructor dims (e.g. eps), then takes the inputs.
+    return CandidateSpec(name=candidate, fn=load_callable(candidate, "candidate", **kwargs), backend="external",
+                         arch_key=arch_key)

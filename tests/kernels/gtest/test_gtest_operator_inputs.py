@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from rl_engine.kernels.gtest.operator_inputs import QWEN3_8B, OperatorDims, make_operator_inputs
-from rl_engine.kernels.gtest.operator_specs import OP_SPECS, load_callable
+from rl_engine.kernels.gtest.operator_specs import OP_SPECS
+from rl_engine.loading import load_callable
 
 DIMS = OperatorDims(batch=2, seq=3, vocab=11, normalized_dim=8, intermediate=6, n_heads=4, n_kv_heads=2,
                     head_dim=4, k_dim=5, n_dim=7)
@@ -41,7 +42,7 @@ def test_inputs_have_semantic_shapes_and_the_gold_accepts_them(op, mode):
     for value in inputs.values():
         assert value.dtype == torch.bfloat16 or not value.is_floating_point()
     spec = OP_SPECS[op]
-    gold = load_callable(spec.gold_path, **{k: getattr(DIMS, k) for k in spec.constructor_dims})
+    gold = load_callable(spec.gold_path, "gold op", **{k: getattr(DIMS, k) for k in spec.constructor_dims})
     out = gold(**inputs)
     assert torch.isfinite(out).all()
 
