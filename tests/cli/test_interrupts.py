@@ -51,6 +51,17 @@ def _start(*args) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 
+def _guarded(proc: subprocess.Popen) -> bool:
+    """True once the command's signal guard is in place: Python catches SIGINT from its start, SIGTERM only
+    under the guard (Linux /proc). A signal before that would hit interpreter start-up, not the command."""
+    try:
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+    except OSError:
+        return False
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
 def _wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -88,7 +99,8 @@ def test_check_op_sigint_to_the_group(tmp_path):
     # A Triton matmul under the interpreter: ~20 s of work.
     proc = _start("check-op", "--op", "matmul", "--candidate", "triton", "--device", "cpu", "--batch", "4",
                   "--seq", "64", "--k-dim", "256", "--n-dim", "256", "--json-out", str(report))
-    time.sleep(2.5)
+    _wait_for(lambda: _guarded(proc), 60, "the signal guard", proc)
+    time.sleep(1.5)
     _stop(proc, signal.SIGINT, group=True, command="check-op")
     assert not report.exists() and list(tmp_path.iterdir()) == []
 
@@ -97,7 +109,8 @@ def test_check_invariance_sigterm_to_the_main_process(tmp_path):
     # The Triton profile under the interpreter: about a minute. JSON on stdout keeps the progress bar
     # (on stderr, by design) off, so stderr holds only what the interrupt prints; the report goes to --out.
     proc = _start("check-invariance", "--profile", "triton_bf16", "--json", "--out", str(tmp_path / "evidence"))
-    time.sleep(2.5)
+    _wait_for(lambda: _guarded(proc), 60, "the signal guard", proc)
+    time.sleep(1.5)
     _stop(proc, signal.SIGTERM, group=False, command="check-invariance")
     assert list(tmp_path.iterdir()) == []
 
