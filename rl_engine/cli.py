@@ -3,13 +3,14 @@
 A subcommand module exposes `add_arguments(parser)` and `run(args) -> int`; this file only routes
 and is the boundary where errors become one line on stderr.
 Exit codes everywhere: 0 passed, 1 failed, 2 usage or configuration error (out of memory included),
-130 interrupted by SIGINT, 143 by SIGTERM.
+130 interrupted by SIGINT, 143 by SIGTERM, 141 when the reader of the output went away (`| head`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import signal
 import sys
@@ -118,6 +119,9 @@ def run_guarded(prog: str, command: Callable[[], int]) -> int:
                 signum = stop.signum or getattr(exc, "signum", signal.SIGINT)
                 print(f"{prog}: interrupted", file=sys.stderr)
                 return 128 + int(signum)
+            if isinstance(exc, BrokenPipeError):  # `| head` closed the pipe: stop quietly, as shell tools do
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush must not raise
+                return 128 + int(signal.SIGPIPE)
             if isinstance(exc, UsageError):
                 message = str(exc)
             elif isinstance(exc, Exception) and (message := out_of_memory_message(exc)) is not None:

@@ -1,6 +1,9 @@
 """Output paths checked before the work, reports written atomically, and the one-line boundary of cli.py."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -136,3 +139,14 @@ def test_help_is_still_help(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["check-tp", "--help"])
     assert exc.value.code == 0 and "--world-sizes" in capsys.readouterr().out
+
+
+def test_a_closed_output_pipe_ends_quietly():
+    # `rl-engine check-op --list | head -0`: the reader is gone before the first line is written.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    child = subprocess.run([sys.executable, "-m", "rl_engine.cli", "check-op", "--list"], stdout=write_end,
+                           stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+    os.close(write_end)
+    assert child.returncode == 141 and child.stderr == "", child.stderr
