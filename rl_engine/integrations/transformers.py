@@ -10,7 +10,7 @@ compute as stated (the family's config.json check, fail closed). `unpatch` puts 
 Attention layouts seen by the patched attention (transformers hands it the 2D padding mask, as it does
 for flash attention): no mask (right padding needs none), a left-padded mask (`seq_starts`), a packed
 row [1,T] whose position_ids restart at 0 (`cu_seqlens`), and a transformers Cache (prefill, then decode
-through `kv_cache_attention`). Padding in the middle of a row, or with a cache, is refused.
+through `kv_cache_attention`). Padding in the middle of a row, or padding while decoding, is refused.
 """
 
 from __future__ import annotations
@@ -180,11 +180,12 @@ class _HfAttention(Attention):
         positions = position_embeddings.expand(b, s)
         q, k, v = self.project(hidden_states, positions)
         if cache is not None:
-            if attention_mask is not None:
-                raise UsageError(f"{self.node}: a padding mask with a cache is not supported (one row per sequence)")
             past = cache.get_seq_length(self.layer_idx)
             k_all, v_all = cache.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx)
             if past:  # chunked prefill and decode read the cache, as DecoderModel.forward_cached
+                if attention_mask is not None:
+                    raise UsageError(f"{self.node}: decoding with a padding mask is not supported (one row per "
+                                     "sequence, no padding)")
                 seqlens = torch.full((b,), past + s, dtype=torch.int32, device=q.device)
                 a = self.attend(q, None, None, k_cache=k_all.transpose(1, 2).contiguous(),
                                 v_cache=v_all.transpose(1, 2).contiguous(), cache_seqlens=seqlens)

@@ -65,3 +65,62 @@ def test_patched_model_equals_decoder(family, profile):
         logits = model(input_ids=ids).logits.float()  # transformers' own lm_head on the patched hidden states
         gathered = torch.log_softmax(logits, -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
         torch.testing.assert_close(lp, gathered, rtol=0, atol=1e-5)
+
+
+def test_layouts_equal_decoder():
+    profile = "torch_bf16"
+    model = hf_model("qwen3", profile)
+    patch(model, profile)
+    ours = decoder(model, profile)
+    ids = tokens(2, 6)
+    with torch.no_grad():
+        mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        got = model.model(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+        assert torch.equal(got, ours.forward(ids, pos, seq_starts=torch.tensor([2, 0], dtype=torch.int32)))
+        packed = ids.reshape(1, 12)
+        cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+        lp = selected_logprobs(model, packed, target_ids=packed, cu_seqlens=cu)
+        pos = torch.cat([torch.arange(5), torch.arange(7)])[None]
+        assert torch.equal(lp, ours.selected_logprobs(ours.forward(packed, pos, cu_seqlens=cu), packed))
+        with pytest.raises(UsageError, match="left or all on the right"):
+            model.model(input_ids=ids, attention_mask=torch.tensor([[1, 0, 1, 1, 1, 1]] * 2))
+
+
+def test_unpatch_restores_original_bit_for_bit():
+    model = hf_model("qwen2", "torch_bf16")
+    ids = tokens(2, 5)
+    gate = model.model.layers[0].mlp.gate_proj.weight
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        patch(model, "torch_bf16")
+        assert model.model.layers[0].mlp.gate_proj.weight is gate  # shared, not copied
+        assert "model.layers.0.mlp.gate_proj.weight" in model.state_dict()
+        unpatch(model)
+        assert type(model.model.layers[0].mlp).__name__ == "Qwen2MLP"
+        assert torch.equal(model(input_ids=ids).logits, before)
+    with pytest.raises(UsageError, match="not patched"):
+        unpatch(model)
+
+
+@pytest.mark.parametrize("case", ["gelu", "dtype", "twice"])
+def test_refusals_are_one_line(case):
+    model = hf_model("qwen3", "torch_bf16", hidden_act="gelu" if case == "gelu" else "silu")
+    if case == "dtype":
+        model = model.float()
+    if case == "twice":
+        patch(model, "torch_bf16")
+    with pytest.raises(UsageError) as exc:
+        patch(model, "torch_bf16")
+    assert "\n" not in str(exc.value)
+    assert {"gelu": "hidden_act", "dtype": "model.to", "twice": "already patched"}[case] in str(exc.value)
+
+
+def test_triton_profile_equals_decoder():
+    model = hf_model("qwen3", "triton_bf16", layers=1)
+    ids = tokens(1, 4)
+    patch(model, "triton_bf16")
+    with torch.no_grad():
+        ours = decoder(model, "triton_bf16")
+        want = ours.selected_logprobs(ours.forward(ids, torch.arange(4)[None])[:, :-1], ids[:, 1:])
+        assert torch.equal(selected_logprobs(model, ids), want)
