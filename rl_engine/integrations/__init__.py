@@ -1,0 +1,1 @@
+"""Glue that puts rl_engine's ops inside other libraries' models."""

@@ -1,0 +1,231 @@
+"""Patch a loaded transformers model so it computes with rl_engine's ops: `patch`, `unpatch`, `selected_logprobs`.
+
+`patch(model, profile)` swaps, in place, each layer's RMSNorms, MLP and attention, the final norm and the
+rotary embedding for the layers of rl_engine.nn, which share the original Parameter objects (no copies:
+optimizers, FSDP and checkpoints keep seeing the same tensors and state_dict keys). A patch never changes
+what a layer means: the patched model computes what rl_engine's `DecoderModel` computes under the same
+profile and weights, bit for bit. It refuses, in one line, any model whose config rl_engine would not
+compute as stated (the family's config.json check, fail closed). `unpatch` puts the original modules back.
+
+Attention layouts seen by the patched attention (transformers hands it the 2D padding mask, as it does
+for flash attention): no mask (right padding needs none), a left-padded mask (`seq_starts`), a packed
+row [1,T] whose position_ids restart at 0 (`cu_seqlens`), and a transformers Cache (prefill, then decode
+through `kv_cache_attention`). Padding in the middle of a row, or padding while decoding, is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rl_engine.errors import UsageError
+from rl_engine.models.config import ModelConfig
+from rl_engine.models.decoder import rope_inv_freq
+from rl_engine.models.families import get_family
+from rl_engine.models.profiles import ProfileOps, get_profile
+from rl_engine.models.weights import CheckpointError, config_from_hf
+from rl_engine.nn import Attention, GatedMLP, RMSNorm, SelectedLogprobHead, profile_ops
+
+SUPPORTED = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
+ATTN_IMPLEMENTATION = "rl_engine"  # our name in transformers' mask registry: it hands attention the 2D mask
+
+
+@dataclass
+class _Patch:
+    profile: str
+    ops: ProfileOps
+    config: ModelConfig
+    swaps: list  # (parent module, attribute, original module)
+    attn_implementation: str
+    head: SelectedLogprobHead
+
+
+def _register_mask_function() -> None:
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, flash_attention_mask)
+
+
+def check(model, profile: str) -> ModelConfig:
+    """The ModelConfig the patched model computes, or a UsageError (one line) saying why it cannot be patched."""
+    name = type(model).__name__
+    if name not in SUPPORTED:
+        raise UsageError(f"patch: {name} is not supported (expected one of {', '.join(SUPPORTED)})")
+    if getattr(model, "_rl_engine_patch", None) is not None:
+        raise UsageError(f"patch: this {name} is already patched (unpatch it first)")
+    try:
+        prof = get_profile(profile)
+        config = config_from_hf(model.config.to_dict(), name, source=f"{name}.config")
+    except (CheckpointError, ValueError) as exc:
+        raise UsageError(f"patch: {exc}") from None
+    if len(model.model.layers) != config.num_layers:
+        raise UsageError(f"patch: {name} has {len(model.model.layers)} layers, its config says {config.num_layers}")
+    # The profile computes in its dtype; converting here would copy every weight, so the caller does it once.
+    wrong = {str(p.dtype) for p in model.parameters() if p.is_floating_point() and p.dtype != prof.dtype}
+    if prof.dtype != torch.float32 and wrong:
+        raise UsageError(f"patch: profile {profile} computes in {prof.dtype}, the model holds {sorted(wrong)} "
+                         f"parameters (call model.to({prof.dtype}) first)")
+    return config
+
+
+def _share(ours: nn.Module, theirs: nn.Module, names) -> nn.Module:
+    for n in names:
+        setattr(ours, n, getattr(theirs, n))  # the same Parameter object (or None)
+    return ours
+
+
+def patch(model, profile: str = "triton_bf16") -> None:
+    """Make `model` (Qwen3/Qwen2/LlamaForCausalLM) compute with rl_engine's ops under `profile`, in place."""
+    config = check(model, profile)
+    family = get_family(config.family)
+    ops = profile_ops(profile)
+    device = model.model.embed_tokens.weight.device
+    inv_freq = rope_inv_freq(config)
+    inv_freq = None if inv_freq is None else inv_freq.to(device)
+    c = config
+    swaps = []
+
+    def swap(parent, attr, new):
+        swaps.append((parent, attr, getattr(parent, attr)))
+        setattr(parent, attr, new)
+
+    def norm(theirs, node, size):
+        with torch.device("meta"):  # built without storage: the parameters are the model's own
+            ours = RMSNorm(size, c.rms_norm_eps, profile=ops, node=node)
+        return _share(ours, theirs, ("weight",))
+
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}"
+        swap(layer, "input_layernorm", norm(layer.input_layernorm, f"{p}.input_layernorm", c.hidden_size))
+        swap(layer, "post_attention_layernorm",
+             norm(layer.post_attention_layernorm, f"{p}.post_attention_layernorm", c.hidden_size))
+        with torch.device("meta"):
+            mlp = GatedMLP(c.hidden_size, c.intermediate_size, profile=ops, node=f"{p}.mlp")
+            attn = _HfAttention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, qkv_bias=family.qkv_bias,
+                                qk_norm=family.qk_norm, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+                                profile=ops, node=f"{p}.self_attn")
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            _share(getattr(mlp, proj), getattr(layer.mlp, proj), ("weight",))
+        theirs = layer.self_attn
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            _share(getattr(attn, proj), getattr(theirs, proj), ("weight", "bias"))
+        if family.qk_norm:
+            _share(attn.q_norm, theirs.q_norm, ("weight",))
+            _share(attn.k_norm, theirs.k_norm, ("weight",))
+        attn.q_rope.inv_freq = attn.k_rope.inv_freq = inv_freq
+        attn.layer_idx = theirs.layer_idx
+        swap(layer, "mlp", mlp)
+        swap(layer, "self_attn", attn)
+    swap(model.model, "norm", norm(model.model.norm, "model.norm", c.hidden_size))
+    swap(model.model, "rotary_emb", _Positions())
+    with torch.device("meta"):
+        head = SelectedLogprobHead(c.hidden_size, c.vocab_size, profile=ops, node="logp")
+    head.weight = model.lm_head.weight  # the embedding matrix itself when tied, as DecoderModel reads it
+    _register_mask_function()
+    model._rl_engine_patch = _Patch(profile, ops, config, swaps, model.config._attn_implementation, head)
+    model.config._attn_implementation = ATTN_IMPLEMENTATION
+
+
+def unpatch(model) -> None:
+    """Put back the modules `patch` replaced (their parameters are the ones the patched model trained)."""
+    state = getattr(model, "_rl_engine_patch", None)
+    if state is None:
+        raise UsageError(f"unpatch: this {type(model).__name__} is not patched")
+    for parent, attr, original in reversed(state.swaps):
+        setattr(parent, attr, original)
+    model.config._attn_implementation = state.attn_implementation
+    model._rl_engine_patch = None
+
+
+class _Positions(nn.Module):
+    """Stands for transformers' rotary embedding: it hands the positions on, and each attention applies the
+    rope op to them (the cos/sin tables transformers would build are not used)."""
+
+    def forward(self, x, position_ids):
+        return position_ids
+
+
+def _padding_layout(mask: torch.Tensor, node: str) -> dict:
+    if mask.dim() != 2:
+        raise UsageError(f"{node}: expected a 2D padding mask [B,S], got {mask.dim()} dims")
+    m = mask.bool()
+    if bool((m[:, 1:] >= m[:, :-1]).all()):  # left padding: 0..0 1..1
+        return {"seq_starts": (~m).sum(-1).to(torch.int32)}
+    if bool((m[:, 1:] <= m[:, :-1]).all()):  # right padding: causality hides it, no mask needed
+        return {}
+    raise UsageError(f"{node}: padding must be all on the left or all on the right of every row")
+
+
+def _packed_layout(positions: torch.Tensor) -> dict:
+    """cu_seqlens of a packed row [1,T] whose positions restart at 0 for each sequence (none if one sequence)."""
+    pos = positions[0]
+    starts = torch.nonzero(pos == 0).flatten()
+    if starts.numel() <= 1 and pos[0] == 0:
+        return {}
+    t = pos.numel()
+    cu = torch.cat([starts, torch.tensor([t], device=pos.device)]).to(torch.int32)
+    seg = torch.searchsorted(cu[1:].long(), torch.arange(t, device=pos.device), right=True)
+    if int(pos[0]) != 0 or not torch.equal(pos.long(), torch.arange(t, device=pos.device) - cu[seg].long()):
+        raise UsageError("packed position_ids must count 0, 1, ... within each sequence")
+    return {"cu_seqlens": cu}
+
+
+class _HfAttention(Attention):
+    """rl_engine's Attention behind the call transformers' decoder layers make."""
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        b, s = hidden_states.shape[0], hidden_states.shape[1]
+        positions = position_embeddings.expand(b, s)
+        q, k, v = self.project(hidden_states, positions)
+        if cache is not None:
+            past = cache.get_seq_length(self.layer_idx)
+            k_all, v_all = cache.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx)
+            if past:  # chunked prefill and decode read the cache, as DecoderModel.forward_cached
+                if attention_mask is not None:
+                    raise UsageError(f"{self.node}: decoding with a padding mask is not supported (one row per "
+                                     "sequence, no padding)")
+                seqlens = torch.full((b,), past + s, dtype=torch.int32, device=q.device)
+                a = self.attend(q, None, None, k_cache=k_all.transpose(1, 2).contiguous(),
+                                v_cache=v_all.transpose(1, 2).contiguous(), cache_seqlens=seqlens)
+                return self.output(a), None
+        if attention_mask is not None:
+            layout = _padding_layout(attention_mask, self.node)
+        elif b == 1:
+            layout = _packed_layout(positions)
+        else:
+            layout = {}
+        return self.output(self.attend(q, k, v, **layout)), None
+
+
+def selected_logprobs(model, input_ids, target_ids=None, attention_mask=None, position_ids=None, cu_seqlens=None):
+    """fp32 log-probabilities of the selected tokens through a patched model, without materialising logits
+    (under the triton profile).
+
+    target_ids [B,S]: logp of target_ids[b, s] given input_ids[b, :s+1]; None: next-token logprobs of
+    input_ids[:, 1:], shape [B,S-1]. Positions: position_ids, else counted from attention_mask (left
+    padding), else restarting at each cu_seqlens boundary of a packed [1,T] row, else 0..S-1.
+    """
+    state = getattr(model, "_rl_engine_patch", None)
+    if state is None:
+        raise UsageError("selected_logprobs: the model is not patched (call rl_engine.integrations.transformers.patch)")
+    if attention_mask is not None and cu_seqlens is not None:
+        raise UsageError("selected_logprobs: give attention_mask (padded) or cu_seqlens (packed), not both")
+    b, s = input_ids.shape
+    if position_ids is None:
+        if attention_mask is not None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        elif cu_seqlens is not None:
+            if b != 1:
+                raise UsageError(f"selected_logprobs: cu_seqlens needs one packed row [1,T], got batch {b}")
+            cu = cu_seqlens.long().to(input_ids.device)
+            idx = torch.arange(s, device=input_ids.device)
+            position_ids = (idx - cu[torch.searchsorted(cu[1:], idx, right=True)])[None]
+        else:
+            position_ids = torch.arange(s, device=input_ids.device)[None].expand(b, s)
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=False).last_hidden_state
+    if target_ids is None:
+        hidden, target_ids = hidden[:, :-1], input_ids[:, 1:]
+    return state.head(hidden, target_ids)

@@ -1,0 +1,126 @@
+"""Patched transformers models compute what rl_engine's DecoderModel computes, bit for bit, under the same
+profile and weights; unpatch restores the original; configs rl_engine cannot compute are refused in one line."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from rl_engine.errors import UsageError  # noqa: E402
+from rl_engine.integrations.transformers import patch, selected_logprobs, unpatch  # noqa: E402
+from rl_engine.models.decoder import DecoderModel  # noqa: E402
+from rl_engine.models.profiles import ProfileOps, get_profile  # noqa: E402
+from rl_engine.models.weights import config_from_hf  # noqa: E402
+
+DIMS = {"vocab_size": 257, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+LLAMA3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16, "rope_theta": 500000.0}
+
+
+def hf_model(family, profile, layers=2, **extra):
+    torch.manual_seed(0)
+    dims = {**DIMS, "num_hidden_layers": layers}
+    if family == "qwen3":
+        cfg = transformers.Qwen3Config(**dims, **extra)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    elif family == "qwen2":
+        cfg = transformers.Qwen2Config(**{k: v for k, v in dims.items() if k != "head_dim"}, **extra)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        cfg = transformers.LlamaConfig(**dims, rope_parameters=LLAMA3, tie_word_embeddings=True, **extra)
+        model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # norm weights away from 1 and biases away from 0, so a dropped one shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model = model.to(get_profile(profile).dtype).eval()
+    return model
+
+
+def decoder(model, profile):
+    config = config_from_hf(model.config.to_dict(), "m")
+    return DecoderModel(config, dict(model.state_dict()), ProfileOps(get_profile(profile)))
+
+
+def tokens(b, s, seed=1):
+    return torch.randint(0, DIMS["vocab_size"], (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("profile", ["torch_bf16", "reference_fp32"])
+def test_patched_model_equals_decoder(family, profile):
+    model = hf_model(family, profile)
+    ids = tokens(2, 7)
+    pos = torch.arange(7)[None].expand(2, 7)
+    patch(model, profile)
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state
+        ours = decoder(model, profile)
+        want = ours.forward(ids, pos)
+        assert torch.equal(hidden, want)
+        lp = selected_logprobs(model, ids)
+        assert lp.dtype == torch.float32 and lp.shape == (2, 6)
+        assert torch.equal(lp, ours.selected_logprobs(want[:, :-1], ids[:, 1:]))
+        logits = model(input_ids=ids).logits.float()  # transformers' own lm_head on the patched hidden states
+        gathered = torch.log_softmax(logits, -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+        torch.testing.assert_close(lp, gathered, rtol=0, atol=1e-5)
+
+
+def test_layouts_equal_decoder():
+    profile = "torch_bf16"
+    model = hf_model("qwen3", profile)
+    patch(model, profile)
+    ours = decoder(model, profile)
+    ids = tokens(2, 6)
+    with torch.no_grad():
+        mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        got = model.model(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+        assert torch.equal(got, ours.forward(ids, pos, seq_starts=torch.tensor([2, 0], dtype=torch.int32)))
+        packed = ids.reshape(1, 12)
+        cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+        lp = selected_logprobs(model, packed, target_ids=packed, cu_seqlens=cu)
+        pos = torch.cat([torch.arange(5), torch.arange(7)])[None]
+        assert torch.equal(lp, ours.selected_logprobs(ours.forward(packed, pos, cu_seqlens=cu), packed))
+        with pytest.raises(UsageError, match="left or all on the right"):
+            model.model(input_ids=ids, attention_mask=torch.tensor([[1, 0, 1, 1, 1, 1]] * 2))
+
+
+def test_unpatch_restores_original_bit_for_bit():
+    model = hf_model("qwen2", "torch_bf16")
+    ids = tokens(2, 5)
+    gate = model.model.layers[0].mlp.gate_proj.weight
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        patch(model, "torch_bf16")
+        assert model.model.layers[0].mlp.gate_proj.weight is gate  # shared, not copied
+        assert "model.layers.0.mlp.gate_proj.weight" in model.state_dict()
+        unpatch(model)
+        assert type(model.model.layers[0].mlp).__name__ == "Qwen2MLP"
+        assert torch.equal(model(input_ids=ids).logits, before)
+    with pytest.raises(UsageError, match="not patched"):
+        unpatch(model)
+
+
+@pytest.mark.parametrize("case", ["gelu", "dtype", "twice"])
+def test_refusals_are_one_line(case):
+    model = hf_model("qwen3", "torch_bf16", hidden_act="gelu" if case == "gelu" else "silu")
+    if case == "dtype":
+        model = model.float()
+    if case == "twice":
+        patch(model, "torch_bf16")
+    with pytest.raises(UsageError) as exc:
+        patch(model, "torch_bf16")
+    assert "\n" not in str(exc.value)
+    assert {"gelu": "hidden_act", "dtype": "model.to", "twice": "already patched"}[case] in str(exc.value)
+
+
+def test_triton_profile_equals_decoder():
+    model = hf_model("qwen3", "triton_bf16", layers=1)
+    ids = tokens(1, 4)
+    patch(model, "triton_bf16")
+    with torch.no_grad():
+        ours = decoder(model, "triton_bf16")
+        want = ours.selected_logprobs(ours.forward(ids, torch.arange(4)[None])[:, :-1], ids[:, 1:])
+        assert torch.equal(selected_logprobs(model, ids), want)
