@@ -65,7 +65,7 @@ def silu_op(x: torch.Tensor) -> torch.Tensor:
 
 
 @silu_op.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
+def _silu_fake(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
