@@ -11,6 +11,8 @@ from rl_engine.kernels.ops.triton.activation.swiglu import swiglu, swiglu_backwa
 from rl_engine.kernels.ops.triton.embedding.embedding import embedding, embedding_backward_op, embedding_op
 from rl_engine.kernels.ops.triton.linear.lm_head import lm_head_op
 from rl_engine.kernels.ops.triton.linear.matmul import batch_invariant_mm_op, triton_matmul
+from rl_engine.kernels.ops.triton.loss.linear_logp import linear_logp, linear_logp_backward_op, linear_logp_op
+from rl_engine.kernels.ops.triton.loss.logp import logp, logp_backward_op, logp_op
 from rl_engine.kernels.ops.triton.norm.rms_norm import rms_norm, rms_norm_backward_op, rms_norm_op
 from rl_engine.kernels.ops.triton.position.rope import rope, rope_op
 
@@ -48,6 +50,20 @@ def _cases():
                                                        torch.bfloat16)),
         ("batch_invariant_mm", batch_invariant_mm_op, (_randn(7, 16, seed=22), _randn(16, 16, seed=23))),
         ("lm_head", lm_head_op, (_randn(7, 16, seed=24), _randn(20, 16, seed=25))),
+        ("logp", logp_op, (_randn(2, 5, 40, seed=26), _ints(40, 2, 5, seed=27))),
+        ("logp_backward", logp_backward_op, (_randn(2, 5, seed=28, **d), _randn(2, 5, 40, seed=29, **d),
+                                             _ints(40, 2, 5, seed=30), torch.rand(10) + 4)),
+        ("linear_logp", linear_logp_op, (_randn(2, 5, 16, seed=31), _randn(40, 16, seed=32),
+                                         _ints(40, 2, 5, seed=33), _randn(40, seed=34))),
+        ("linear_logp_no_bias", linear_logp_op, (_randn(2, 5, 16, seed=35), _randn(40, 16, seed=36),
+                                                 _ints(40, 2, 5, seed=37), None)),
+        # A transposed weight: the fake must give the gradient the strides the kernel path gives it.
+        ("linear_logp_backward", linear_logp_backward_op, (
+            _randn(2, 5, seed=38, **d), _randn(2, 5, 16, seed=39, **d), _randn(16, 40, seed=40, **d).t(),
+            _ints(40, 2, 5, seed=41), _randn(40, seed=42, **d), torch.rand(10) + 4, True, True, True)),
+        ("linear_logp_backward_hidden_only", linear_logp_backward_op, (
+            _randn(2, 5, seed=43, **d), _randn(2, 5, 16, seed=44, **d), _randn(40, 16, seed=45, **d),
+            _ints(40, 2, 5, seed=46), None, torch.rand(10) + 4, True, False, False)),
     ]
 
 
@@ -73,14 +89,17 @@ def test_opcheck_catches_a_wrong_fake():
 
 
 def _tiny_model(ids, positions, emb, norm_w, w_qk, w_gate, w_up, w_down):
-    """Embedding -> RMSNorm -> projection + RoPE -> SwiGLU / SiLU MLP: every converted op, with a backward."""
+    """Embedding -> RMSNorm -> projection + RoPE -> SwiGLU / SiLU MLP -> log-probabilities of the next ids
+    (fused and from logits): every converted op, with a backward."""
     h = embedding(ids, emb)
     x = rms_norm(h, norm_w)
     q = triton_matmul(x, w_qk).reshape(*ids.shape, 2, 8)
     h = h + rope(q, positions, theta=1e4).reshape(h.shape)
     x = rms_norm(h, norm_w)
     y = swiglu(triton_matmul(x, w_gate), triton_matmul(x, w_up))
-    return h + triton_matmul(silu(y), w_down)
+    h = h + triton_matmul(silu(y), w_down)
+    targets = ids.roll(-1, dims=1)
+    return linear_logp(h, emb, targets) + logp(triton_matmul(h, emb.t()), targets)
 
 
 def _model_inputs(device="cpu", dtype=torch.float32):
