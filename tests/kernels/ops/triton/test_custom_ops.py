@@ -8,6 +8,8 @@ import torch
 
 from rl_engine.kernels.ops.triton.activation.silu import _silu_fake, silu, silu_backward_op, silu_op
 from rl_engine.kernels.ops.triton.activation.swiglu import swiglu, swiglu_backward_op, swiglu_op
+from rl_engine.kernels.ops.triton.attention.attention import triton_attention
+from rl_engine.kernels.ops.triton.attention.flash import flash_attention_backward_op, flash_attention_op, sequence_table
 from rl_engine.kernels.ops.triton.embedding.embedding import embedding, embedding_backward_op, embedding_op
 from rl_engine.kernels.ops.triton.linear.lm_head import lm_head_op
 from rl_engine.kernels.ops.triton.linear.matmul import batch_invariant_mm_op, triton_matmul
@@ -29,6 +31,13 @@ def _randn(*shape, seed, grad=True, dtype=torch.float32):
 
 def _ints(high, *shape, seed):
     return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _table(batch, seq):
+    """The padded form's table: one sequence per row, every row covered (no uninitialised output)."""
+    row0 = torch.arange(batch, dtype=torch.int32) * seq
+    length = torch.full((batch,), seq, dtype=torch.int32)
+    return sequence_table(row0, length, torch.zeros_like(length), row0, length, max_q_count=seq, max_kv_len=seq)
 
 
 def _cases():
@@ -64,6 +73,19 @@ def _cases():
         ("linear_logp_backward_hidden_only", linear_logp_backward_op, (
             _randn(2, 5, seed=43, **d), _randn(2, 5, 16, seed=44, **d), _randn(40, 16, seed=45, **d),
             _ints(40, 2, 5, seed=46), None, torch.rand(10) + 4, True, False, False)),
+        ("flash_attention", flash_attention_op, (
+            _randn(10, 4, 16, seed=47), _randn(10, 2, 16, seed=48), _randn(10, 2, 16, seed=49),
+            _table(2, 5).info, 5, 5, True, 0.25, 1)),
+        # kv-cache decode: two query heads per tile, forward only.
+        ("flash_attention_heads_per_tile", flash_attention_op, (
+            _randn(2, 4, 16, seed=50, **d), _randn(10, 2, 16, seed=51, **d), _randn(10, 2, 16, seed=52, **d),
+            sequence_table(torch.arange(2, dtype=torch.int32), torch.ones(2, dtype=torch.int32),
+                           torch.tensor([2, 4], dtype=torch.int32), torch.arange(2, dtype=torch.int32) * 5,
+                           torch.tensor([3, 5], dtype=torch.int32), max_q_count=1, max_kv_len=5).info,
+            1, 5, True, 0.25, 2)),
+        ("flash_attention_backward", flash_attention_backward_op, (
+            *(_randn(10, h, 16, seed=53 + i, **d) for i, h in enumerate((4, 4, 2, 2, 4))),
+            torch.rand(10, 4) + 1, _table(2, 5).info, 5, 5, True, 0.25)),
     ]
 
 
@@ -89,12 +111,12 @@ def test_opcheck_catches_a_wrong_fake():
 
 
 def _tiny_model(ids, positions, emb, norm_w, w_qk, w_gate, w_up, w_down):
-    """Embedding -> RMSNorm -> projection + RoPE -> SwiGLU / SiLU MLP -> log-probabilities of the next ids
-    (fused and from logits): every converted op, with a backward."""
+    """Embedding -> RMSNorm -> projection + RoPE -> causal GQA attention -> SwiGLU / SiLU MLP -> log-probabilities
+    of the next ids (fused and from logits): every converted op with a backward."""
     h = embedding(ids, emb)
     x = rms_norm(h, norm_w)
-    q = triton_matmul(x, w_qk).reshape(*ids.shape, 2, 8)
-    h = h + rope(q, positions, theta=1e4).reshape(h.shape)
+    q = rope(triton_matmul(x, w_qk).reshape(*ids.shape, 2, 8), positions, theta=1e4)
+    h = h + triton_attention(q, q[:, :, :1], x.reshape(*ids.shape, 1, 16)[..., :8]).reshape(h.shape)
     x = rms_norm(h, norm_w)
     y = swiglu(triton_matmul(x, w_gate), triton_matmul(x, w_up))
     h = h + triton_matmul(silu(y), w_down)
