@@ -24,6 +24,17 @@ CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_
           "test_aot_dispatch_dynamic")
 
 
+# Without CUDA the kernels run under the interpreter on CPU tensors; with it, on the GPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _on_device(arg):
+    """arg on DEVICE with its strides and requires_grad (cases are built on the CPU)."""
+    if not isinstance(arg, torch.Tensor):
+        return arg
+    return arg.detach().to(DEVICE).requires_grad_(arg.requires_grad)
+
+
 def _randn(*shape, seed, grad=True, dtype=torch.float32):
     t = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
     return t.requires_grad_(grad)
@@ -91,12 +102,12 @@ def _cases():
 
 @pytest.mark.parametrize("name, op, args", _cases(), ids=[c[0] for c in _cases()])
 def test_opcheck(name, op, args):
-    torch.library.opcheck(op, args, test_utils=CHECKS)
+    torch.library.opcheck(op, tuple(map(_on_device, args)), test_utils=CHECKS)
 
 
 def test_opcheck_catches_a_wrong_fake():
     """A fake that disagrees with the kernel (here: dtype) fails the fake-tensor check."""
-    args = (_randn(2, 5, 8, seed=1),)
+    args = (_on_device(_randn(2, 5, 8, seed=1)),)
 
     def wrong_fake(x):
         return torch.empty_like(x, dtype=torch.float64)
@@ -151,7 +162,7 @@ def _assert_compiled_gives_the_eager_bits(backend, device, dtype):
 
 def test_tiny_model_compiles_fullgraph_with_the_eager_bits():
     torch._dynamo.reset()
-    _assert_compiled_gives_the_eager_bits("aot_eager", "cpu", torch.float32)
+    _assert_compiled_gives_the_eager_bits("aot_eager", DEVICE, torch.float32)
 
 
 @pytest.mark.gpu
