@@ -58,8 +58,11 @@ def stop_signals():
     try:
         yield state
     finally:
+        # After a stop signal the process is on its way out: a repeat arriving during interpreter
+        # shutdown (which resets Python's handlers to the default action) would kill it with the
+        # signal instead of 128 + signum, so stop signals stay ignored.
         for s, h in previous.items():
-            signal.signal(s, h)
+            signal.signal(s, h if state.signum is None else signal.SIG_IGN)
 
 
 # CPU: "DefaultCPUAllocator: can't allocate memory: you tried to allocate 320000000000 bytes";
