@@ -94,26 +94,29 @@ def check_ops(out: Path, fh) -> list[dict]:
 
     results = []
     for op, spec in OP_SPECS.items():
-        for dtype in ("bf16", "fp32"):
-            parser = argparse.ArgumentParser()
-            check_op.add_arguments(parser)
-            report = out / "check_op" / f"check_op_{op}_{dtype}.json"
-            argv = ["--op", op, "--candidate", "triton", "--device", "cuda", "--dtype", dtype, "--arch-key", "sm90",
-                    "--qwen3-8b", "--seq", "1024", "--check-invariance", "--json-out", str(report)]
-            if spec.grad_input_names:  # forward-only ops declare none
-                argv.append("--check-grad")
-            t0 = time.perf_counter()
-            try:
-                rc = check_op.run(parser.parse_args(argv))
-                error = None
-            except Exception as exc:  # a UsageError too: one op's error must not hide the others
-                rc, error = None, f"{type(exc).__name__}: {exc}"
-            seconds = time.perf_counter() - t0
-            row = {"op": op, "dtype": dtype, "check_grad": "--check-grad" in argv, "rc": rc, "error": error,
-                   "passed": rc == 0, "seconds": round(seconds, 1)}
-            results.append(row)
-            log(fh, f"check-op {op:<20} {dtype:<5} grad={row['check_grad']!s:<5} "
-                    f"{'PASSED' if row['passed'] else 'FAILED'} ({seconds:.1f} s){' ' + error if error else ''}")
+        for layout in spec.layouts:
+            for dtype in ("bf16", "fp32"):
+                name = op if layout == spec.layouts[0] else f"{op}_{layout}"
+                parser = argparse.ArgumentParser()
+                check_op.add_arguments(parser)
+                report = out / "check_op" / f"check_op_{name}_{dtype}.json"
+                argv = ["--op", op, "--layout", layout, "--candidate", "triton", "--device", "cuda", "--dtype", dtype,
+                        "--arch-key", "sm90", "--qwen3-8b", "--seq", "1024", "--check-invariance",
+                        "--json-out", str(report)]
+                if spec.grad_input_names:  # forward-only ops declare none
+                    argv.append("--check-grad")
+                t0 = time.perf_counter()
+                try:
+                    rc = check_op.run(parser.parse_args(argv))
+                    error = None
+                except Exception as exc:  # a UsageError too: one op's error must not hide the others
+                    rc, error = None, f"{type(exc).__name__}: {exc}"
+                seconds = time.perf_counter() - t0
+                row = {"op": op, "layout": layout, "dtype": dtype, "check_grad": "--check-grad" in argv, "rc": rc,
+                       "error": error, "passed": rc == 0, "seconds": round(seconds, 1)}
+                results.append(row)
+                log(fh, f"check-op {name:<24} {dtype:<5} grad={row['check_grad']!s:<5} "
+                        f"{'PASSED' if row['passed'] else 'FAILED'} ({seconds:.1f} s){' ' + error if error else ''}")
     return results
 
 

@@ -8,24 +8,21 @@ message naming the op, the backend and the path; nothing falls back to another b
 Every dispatch appends a `DispatchRecord` (node, op, backend, target, output dtype, TF32 state)
 to the recorder passed in; `rl_engine.invariance.provenance` judges those records.
 
-Backends:
-- `reference`: the gold ops (rl_engine.kernels.ops.pytorch) called as references: fp32, TF32 off.
-- `torch`: plain PyTorch in the inputs' dtype, the calls users make today (F.rms_norm, SDPA, @).
-- `triton`: our kernels (rl_engine.kernels.ops.triton).
+Every op's three backends come from its record (rl_engine.kernels.records):
+- `reference`: the gold op called as a reference: fp32, TF32 off;
+- `torch`: the gold op's `baseline`, plain PyTorch in the inputs' dtype (F.rms_norm, SDPA, @);
+- `triton`: our kernel.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from rl_engine.errors import UsageError
-from rl_engine.kernels.ops.pytorch.base import tf32_off
-from rl_engine.kernels.ops.pytorch.loss.logp import selected_logprobs
+from rl_engine.kernels.records import OPS
 from rl_engine.loading import load_object
 
 BACKENDS = ("reference", "torch", "triton")
@@ -115,143 +112,27 @@ class Registry:
         return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Attention masks shared by the reference and torch implementations. Layouts:
-#   padded: q/k/v [B,S,H,D]; seq_starts [B] (left padding: first valid index) or None (right
-#           padding needs no mask: causality already hides the padding behind each valid token);
-#   packed: q/k/v [1,T,H,D] with cu_seqlens [N+1]: block-diagonal causal.
-# Padding queries get their own diagonal so no row is empty (plain SDPA would return NaN there, and
-# a NaN value row poisons valid rows through 0 * NaN in the probability-value product).
-
-
-def attention_mask(q, seq_starts=None, cu_seqlens=None) -> torch.Tensor:
-    b, s = q.shape[0], q.shape[1]
-    idx = torch.arange(s, device=q.device)
-    mask = (idx[None, :] <= idx[:, None]).unsqueeze(0).expand(b, s, s)
-    if seq_starts is not None:
-        mask = mask & (idx[None, None, :] >= seq_starts.long().to(q.device)[:, None, None])
-    if cu_seqlens is not None:
-        seq_id = torch.searchsorted(cu_seqlens.long().to(q.device)[1:], idx, right=True)
-        mask = mask & (seq_id[:, None] == seq_id[None, :]).unsqueeze(0)
-    return mask | torch.eye(s, dtype=torch.bool, device=q.device).unsqueeze(0)
-
-
-def kv_cache_mask(q, k_cache, cache_seqlens) -> torch.Tensor:
-    sq, smax = q.shape[1], k_cache.shape[1]
-    query_pos = cache_seqlens.long().to(q.device)[:, None] - sq + torch.arange(sq, device=q.device)[None, :]
-    return torch.arange(smax, device=q.device)[None, None, :] <= query_pos[:, :, None]
-
-
-def _scale(params, q):
-    return params.get("scale") or 1.0 / math.sqrt(q.shape[-1])
-
-
-def reference_attention(kernel, params, inputs):
-    # Narrow floats go up to fp32 as in the gold ops; float64 stays (exact test profiles use it).
-    q, k, v = (
-        inputs[n].float() if inputs[n].dtype in (torch.bfloat16, torch.float16) else inputs[n] for n in ("q", "k", "v")
-    )
-    mask = attention_mask(q, inputs.get("seq_starts"), inputs.get("cu_seqlens"))
-    with tf32_off():
-        return kernel(q, k, v, mask, _scale(params, q))
-
-
-def reference_kv_cache_attention(kernel, params, inputs):
-    with tf32_off():
-        return kernel(scale=params.get("scale"))(**inputs)
-
-
-def _sdpa(q, k, v, mask, scale):
-    group = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.unsqueeze(1), scale=scale
-    )
-    return out.transpose(1, 2)
-
-
-def torch_attention(kernel, params, inputs):
-    q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    return _sdpa(q, k, v, attention_mask(q, inputs.get("seq_starts"), inputs.get("cu_seqlens")), _scale(params, q))
-
-
-def torch_kv_cache_attention(kernel, params, inputs):
-    q, k_cache, v_cache = inputs["q"], inputs["k_cache"], inputs["v_cache"]
-    return _sdpa(q, k_cache, v_cache, kv_cache_mask(q, k_cache, inputs["cache_seqlens"]), _scale(params, q))
-
-
-def torch_linear_logp(kernel, params, inputs):
-    """What RL trainers do today: bf16 logits from a bf16 matmul, log-softmax after an fp32 upcast."""
-    logits = inputs["hidden"] @ inputs["lm_head_weight"].t()
-    return selected_logprobs(logits.float(), inputs["target_ids"])
-
-
-def _call_op_class(kernel, params, inputs):
+def _call_op(kernel, params, inputs):
     return kernel(**params)(**inputs)
 
 
-def _call_function(kernel, params, inputs):
-    return kernel(**inputs, **params)
+def _baseline_caller(gold_path: str) -> Callable:
+    """Adapter of a `torch` implementation: the kernel is the gold class's `baseline` (recorded as the
+    target); it is called on an instance of the gold class built with the params."""
+    owner = []
+
+    def call(baseline, params, inputs):
+        if not owner:
+            owner.append(load_object(gold_path, "gold op"))
+        return baseline(owner[0](**params), **inputs)
+
+    return call
 
 
 REGISTRY = Registry()
-_GOLD = "rl_engine.kernels.ops.pytorch"
-_TRITON = "rl_engine.kernels.ops.triton"
-
-# (op, module under ops/<backend>/, class name stem)
-_OP_CLASSES = {
-    "embedding": ("embedding.embedding", "Embedding"),
-    "rms_norm": ("norm.rms_norm", "RmsNorm"),
-    "matmul": ("linear.matmul", "Matmul"),
-    "lm_head": ("linear.lm_head", "LmHead"),
-    "rope": ("position.rope", "Rope"),
-    "swiglu": ("activation.swiglu", "Swiglu"),
-    "logp": ("loss.logp", "Logp"),
-    "linear_logp": ("loss.linear_logp", "LinearLogp"),
-}
-
-for _op, (_module, _stem) in _OP_CLASSES.items():
-    REGISTRY.register(Implementation(_op, "reference", f"{_GOLD}.{_module}:Native{_stem}Op", _call_op_class))
-    REGISTRY.register(Implementation(_op, "triton", f"{_TRITON}.{_module}:Triton{_stem}Op", _call_op_class))
-
-REGISTRY.register(
-    Implementation("attention", "reference", f"{_GOLD}.attention.attention:grouped_attention", reference_attention)
-)
-REGISTRY.register(
-    Implementation(
-        "kv_cache_attention",
-        "reference",
-        f"{_GOLD}.attention.kv_cache_attention:NativeKvCacheAttentionOp",
-        reference_kv_cache_attention,
+for _record in OPS.values():
+    REGISTRY.register(Implementation(_record.name, "reference", _record.gold_path, _call_op))
+    REGISTRY.register(
+        Implementation(_record.name, "torch", f"{_record.gold_path}.baseline", _baseline_caller(_record.gold_path))
     )
-)
-REGISTRY.register(
-    Implementation("attention", "triton", f"{_TRITON}.attention.attention:triton_attention", _call_function)
-)
-REGISTRY.register(
-    Implementation(
-        "kv_cache_attention",
-        "triton",
-        f"{_TRITON}.attention.kv_cache_attention:triton_kv_cache_attention",
-        _call_function,
-    )
-)
-
-# Plain PyTorch: the natural call in the inputs' dtype.
-_TORCH = {
-    "embedding": ("torch.nn.functional:embedding", lambda f, p, i: f(i["token_ids"].long(), i["weight"])),
-    "rms_norm": (
-        "torch.nn.functional:rms_norm",
-        lambda f, p, i: f(i["x"], (i["x"].shape[-1],), i["weight"], p.get("eps", 1e-6)),
-    ),
-    "matmul": ("torch:matmul", lambda f, p, i: f(i["a"], i["b"])),
-    "lm_head": ("torch:matmul", lambda f, p, i: f(i["hidden"], i["weight"].t())),
-    "rope": (f"{_GOLD}.position.rope:NativeRopeOp", lambda f, p, i: f(**p).baseline(**i)),
-    "swiglu": ("torch.nn.functional:silu", lambda f, p, i: f(i["gate"]) * i["up"]),
-    "logp": (f"{_GOLD}.loss.logp:selected_logprobs", lambda f, p, i: f(i["logits"].float(), i["target_ids"])),
-    "linear_logp": ("torch:matmul", torch_linear_logp),
-    "attention": ("torch.nn.functional:scaled_dot_product_attention", torch_attention),
-    "kv_cache_attention": ("torch.nn.functional:scaled_dot_product_attention", torch_kv_cache_attention),
-}
-for _op, (_target, _adapter) in _TORCH.items():
-    REGISTRY.register(Implementation(_op, "torch", _target, _adapter))
+    REGISTRY.register(Implementation(_record.name, "triton", _record.triton_path, _call_op))

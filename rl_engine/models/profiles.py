@@ -12,21 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from rl_engine.kernels.records import MODEL_OPS
+from rl_engine.kernels.records import OPS as RECORDS
 from rl_engine.kernels.registry import REGISTRY, Recorder, Registry
-
-OPS = (
-    "embedding",
-    "rms_norm",
-    "matmul",
-    "rope",
-    "attention",
-    "kv_cache_attention",
-    "swiglu",
-    "lm_head",
-    "linear_logp",
-)
-# Logprob outputs are fp32 in every profile (DESIGN.md, rule 4).
-FP32_OUTPUT_OPS = ("linear_logp", "logp")
 
 
 @dataclass(frozen=True)
@@ -48,17 +36,18 @@ class Profile:
 
 def build_profile(name: str, dtype: torch.dtype, backends: dict, registry: Registry = REGISTRY) -> Profile:
     declared = {}
-    for op in OPS:
+    for op in MODEL_OPS:
         backend = backends[op]
-        out = torch.float32 if op in FP32_OUTPUT_OPS else dtype
+        # Logprob outputs are fp32 in every profile (DESIGN.md, rule 4).
+        out = torch.float32 if RECORDS[op].fp32_output else dtype
         declared[op] = Declared(backend, registry.lookup(op, backend).target, str(out).removeprefix("torch."))
     return Profile(name, dtype, declared)
 
 
 PROFILES = {
-    "reference_fp32": build_profile("reference_fp32", torch.float32, dict.fromkeys(OPS, "reference")),
-    "torch_bf16": build_profile("torch_bf16", torch.bfloat16, dict.fromkeys(OPS, "torch")),
-    "triton_bf16": build_profile("triton_bf16", torch.bfloat16, dict.fromkeys(OPS, "triton")),
+    "reference_fp32": build_profile("reference_fp32", torch.float32, dict.fromkeys(MODEL_OPS, "reference")),
+    "torch_bf16": build_profile("torch_bf16", torch.bfloat16, dict.fromkeys(MODEL_OPS, "torch")),
+    "triton_bf16": build_profile("triton_bf16", torch.bfloat16, dict.fromkeys(MODEL_OPS, "triton")),
 }
 
 

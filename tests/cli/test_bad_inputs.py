@@ -29,6 +29,8 @@ ROWS = {
     "op: unknown dtype": ("check-op", ["--op", "logp", "--dtype", "fp8"], "unsupported dtype 'fp8'"),
     "op: unknown device": ("check-op", ["--op", "logp", "--device", "tpu"], "unknown device 'tpu'"),
     "op: unknown candidate": ("check-op", ["--op", "logp", "--candidate", "cuda"], "unknown candidate"),
+    "op: layout the op lacks": ("check-op", ["--op", "attention", "--layout", "cached"],
+                                "--layout cached: op attention takes padded, left_padded, packed"),
     "op: malformed contract": ("check-op", ["--op", "logp", "--contract", "BADJSON"], "not JSON"),
     "op: contract is a list": ("check-op", ["--op", "logp", "--contract", "LIST"], "expected a JSON object"),
     "op: json-out parent is a file": ("check-op", ["--op", "logp", "--json-out", "FILE/x.json"], "--json-out"),

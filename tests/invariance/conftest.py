@@ -3,10 +3,11 @@ import dataclasses
 import pytest
 import torch
 
+from rl_engine.kernels.records import MODEL_OPS
 from rl_engine.kernels.registry import REGISTRY, Registry
 from rl_engine.models.decoder import DecoderModel
 from rl_engine.models.families import CONFIGS
-from rl_engine.models.profiles import OPS, ProfileOps, build_profile
+from rl_engine.models.profiles import ProfileOps, build_profile
 from rl_engine.models.weights import synthetic_weights
 from rl_engine.workload.manifest import load_workload
 
@@ -33,7 +34,7 @@ def exact_registry() -> Registry:
 
 def exact_model(config, weights, registry=None):
     registry = registry or exact_registry()
-    profile = build_profile("reference_fp32", torch.float32, dict.fromkeys(OPS, "reference"), registry)
+    profile = build_profile("reference_fp32", torch.float32, dict.fromkeys(MODEL_OPS, "reference"), registry)
     return DecoderModel(config, weights, ProfileOps(profile, registry))
 
 

@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--qwen3-8b", action="store_true",
                         help="Qwen3-8B geometry (hidden 4096, 32/8 heads of 128, intermediate 12288, vocab 151936); "
                              "explicit dim flags still win")
+    parser.add_argument("--layout", default=None,
+                        help="input layout where the op has several (attention: padded, left_padded, packed); "
+                             "default: the op's first")
     parser.add_argument("--input-mode", default="random", help=f"{' or '.join(INPUT_MODES)} (default random)")
     parser.add_argument("--constant-value", type=float, default=1.0, help="floating inputs in constant mode")
     parser.add_argument("--token-value", type=int, default=0, help="ids in constant mode, reduced modulo the range")
@@ -88,7 +91,7 @@ def list_operators() -> str:
         grads = ",".join(spec.grad_input_names) or "none (forward only)"
         lines.append(
             f"{spec.name} class={spec.op_class} gold={spec.gold_path} candidates={','.join(spec.candidate_paths)} "
-            f"grad_inputs={grads} per_row_inputs={','.join(spec.batch_input_names)}"
+            f"grad_inputs={grads} per_row_inputs={','.join(spec.batch_input_names)} layouts={','.join(spec.layouts)}"
         )
     return "\n".join(lines)
 
@@ -102,6 +105,8 @@ def run(args) -> int:
     if not args.op:
         raise UsageError(f"--op is required; valid ops: {', '.join(OP_SPECS)}")
     spec = get_spec(args.op)
+    if args.layout is not None and args.layout not in spec.layouts:
+        raise UsageError(f"--layout {args.layout}: op {args.op} takes {', '.join(spec.layouts)}")
     if args.check_grad and not spec.grad_input_names:
         raise UsageError(f"{args.op} has no backward (an inference op); drop --check-grad")
     if args.dtype not in DTYPES:
@@ -128,7 +133,8 @@ def run(args) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     candidate = make_candidate(args.op, args.candidate, dims=dims, arch_key=args.arch_key)
     case = make_operator_case(args.op, dtype=args.dtype, device=device, dims=dims, input_mode=args.input_mode,
-                              constant_value=args.constant_value, token_value=args.token_value, seed=args.seed)
+                              constant_value=args.constant_value, token_value=args.token_value, seed=args.seed,
+                              layout=args.layout)
     try:
         report = run_operator_suite(args.op, candidates=[candidate], cases=[case], contract=contract,
                                     check_grad=args.check_grad, grad_mode=args.grad_mode, grad_seed=args.grad_seed,

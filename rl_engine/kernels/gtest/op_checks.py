@@ -48,7 +48,7 @@ class OperatorCase:
 
     def batched_names(self) -> tuple:
         if self.batch_input_names is not None:
-            return tuple(self.batch_input_names)
+            return tuple(n for n in self.batch_input_names if n in self.inputs)
         tensors = [v for v in self.inputs.values() if isinstance(v, torch.Tensor) and v.dim() >= 1]
         if not tensors:
             return ()
@@ -56,6 +56,25 @@ class OperatorCase:
         return tuple(
             k for k, v in self.inputs.items() if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == batch
         )
+
+
+    def rows(self) -> list[tuple[dict, tuple]]:
+        """Each row as (its inputs alone, the index of its part in the per-row outputs and gradients): a
+        padded batch's rows are its entries; a packed batch's ([1,T,...] + cu_seqlens) are its sequences."""
+        batched = self.batched_names()
+        if "cu_seqlens" in self.inputs:
+            cu = self.inputs["cu_seqlens"]
+            bounds = cu.tolist()
+            rows = []
+            for start, end in zip(bounds[:-1], bounds[1:]):
+                index = (slice(None), slice(start, end))
+                inputs = {k: (v[index] if k in batched else v) for k, v in self.inputs.items()}
+                inputs["cu_seqlens"] = torch.tensor([0, end - start], dtype=cu.dtype, device=cu.device)
+                rows.append((inputs, index))
+            return rows
+        batch = self.inputs[batched[0]].shape[0]
+        return [({k: (v[b:b + 1] if k in batched else v) for k, v in self.inputs.items()}, (slice(b, b + 1),))
+                for b in range(batch)]
 
 
 @dataclass
@@ -305,9 +324,10 @@ def _check_invariance(case, cand, full: _Run, full_grads: dict, gold: _Gold, con
     batched = case.batched_names()
     if not batched or full.outputs is None:
         return []
-    batch = case.inputs[batched[0]].shape[0]
+    rows_in = case.rows()
+    lead = tuple(case.inputs[batched[0]].shape[:len(rows_in[0][1])]) if rows_in else ()
     outputs = [o.detach() for o in full.outputs]
-    row_outputs = [i for i, o in enumerate(outputs) if o.dim() and o.shape[0] == batch]
+    row_outputs = [i for i, o in enumerate(outputs) if o.dim() >= len(lead) and tuple(o.shape[:len(lead)]) == lead]
     row_grads = [n for n in case.grad_input_names
                  if n in batched and isinstance(full_grads.get(n), torch.Tensor)] if check_grad else []
     per_row_upstream = check_grad and len(row_outputs) == len(outputs)
@@ -317,8 +337,7 @@ def _check_invariance(case, cand, full: _Run, full_grads: dict, gold: _Gold, con
     )
     # rows[b] = (outputs, grads) or an error message
     rows = []
-    for b in range(batch):
-        inputs = {k: (v[b:b + 1] if k in batched else v) for k, v in case.inputs.items()}
+    for inputs, index in rows_in:
         # The same autograd setting as the full-batch run: a kernel may pick another path without grad.
         run = _forward(cand.fn, inputs, case.grad_input_names if check_grad else ())
         if run.error or len(run.outputs) != len(outputs):
@@ -326,7 +345,7 @@ def _check_invariance(case, cand, full: _Run, full_grads: dict, gold: _Gold, con
             continue
         grads = {}
         if per_row_upstream and row_grads:
-            upstream = [g[b:b + 1] if g is not None else None for g in gold.upstream]
+            upstream = [g[index] if g is not None else None for g in gold.upstream]
             if all(tuple(o.shape) == tuple(g.shape) for o, g in zip(run.outputs, upstream) if g is not None):
                 grads, why = _backward(run, upstream, row_grads)
                 if why:
@@ -339,10 +358,11 @@ def _check_invariance(case, cand, full: _Run, full_grads: dict, gold: _Gold, con
         for name in row_grads:
             index = n_out + list(case.grad_input_names).index(name)
             targets.append((index, f"gradient:{name}", grad_tol, full_grads[name], lambda r, n=name: r[1].get(n)))
-    return [_compare_rows(case.name, index, role, tol, whole, rows, pick) for index, role, tol, whole, pick in targets]
+    indices = [index for _, index in rows_in]
+    return [_compare_rows(case.name, i, role, tol, whole, rows, pick, indices) for i, role, tol, whole, pick in targets]
 
 
-def _compare_rows(case_name, index, role, tol, whole, rows, pick) -> OutputReport:
+def _compare_rows(case_name, index, role, tol, whole, rows, pick, indices) -> OutputReport:
     report = OutputReport(case=case_name, output_index=index, role=role, judgment=tol.judgment, passed=False,
                           tolerance=tol, shape=tuple(whole.shape), dtype=str(whole.dtype),
                           reference_dtype=str(whole.dtype), mismatches=0, max_ulp=0, max_abs=0.0, mean_abs=0.0,
@@ -358,7 +378,7 @@ def _compare_rows(case_name, index, role, tol, whole, rows, pick) -> OutputRepor
             failing.append(b)
             problems.append(f"row {b}: {row[1]}")
             continue
-        got, expected = pick(row), whole[b:b + 1]
+        got, expected = pick(row), whole[indices[b]]
         if isinstance(got, str):
             failing.append(b)
             problems.append(f"row {b}: {got}")
@@ -443,8 +463,8 @@ def run_operator_suite(
             if check_invariance:
                 report.outputs += _check_invariance(case, cand, run, grads, gold, contract, check_grad)
         batched = case.batched_names()
-        if check_invariance and batched and case.inputs[batched[0]].shape[0] < 2:
-            notes.append(f"{case.name}: batch 1, so invariance compares the only row with itself; use batch >= 2")
+        if check_invariance and batched and len(case.rows()) < 2:
+            notes.append(f"{case.name}: one row, so invariance compares the only row with itself; use batch >= 2")
         if check_invariance and check_grad:
             skipped = [n for n in case.grad_input_names if n not in case.batched_names()]
             if skipped:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rl_engine.kernels.records import OPS
+
 INPUT_MODES = ("random", "constant")
 
 
@@ -69,10 +71,11 @@ QWEN3_8B = dict(
 class _Draw:
     """Builds one op's tensors: each named tensor from its own seeded stream, or constants."""
 
-    def __init__(self, op: str, dtype, device, mode: str, seed: int, constant_value: float, token_value: int):
+    def __init__(self, op: str, dtype, device, mode: str, seed: int, constant_value: float, token_value: int,
+                 layout: str):
         if mode not in INPUT_MODES:
             raise ValueError(f"input_mode: expected one of {INPUT_MODES}, got {mode!r}")
-        self.op, self.dtype, self.device, self.mode = op, dtype, torch.device(device), mode
+        self.op, self.dtype, self.device, self.mode, self.layout = op, dtype, torch.device(device), mode, layout
         self.seed, self.constant_value, self.token_value = seed, constant_value, token_value
 
     def _generator(self, name: str) -> torch.Generator:
@@ -131,11 +134,25 @@ def _lm_head(d: OperatorDims, draw: _Draw) -> dict:
 
 
 def _attention(d: OperatorDims, draw: _Draw) -> dict:
+    """padded [B,S,H,D]; left_padded adds seq_starts [B] (row 0 unpadded, the others up to S-1 pad tokens);
+    packed is B sequences of 1..2S tokens in one [1,T,H,D] row with cu_seqlens [B+1]."""
     b, s = d.batch, d.seq
+    extra = {}
+    if draw.layout == "left_padded":
+        starts = draw.ints("seq_starts", (b,), 0, s, dtype=torch.int32)
+        extra["seq_starts"] = torch.cat([starts.new_zeros(1), starts[1:]]) if b else starts
+    elif draw.layout == "packed":
+        lengths = draw.ints("seq_lengths", (b,), 1, 2 * s + 1)
+        if draw.mode == "constant":
+            lengths = torch.full((b,), s, dtype=torch.int64, device=draw.device)
+        cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+        b, s = 1, int(cu[-1])
+        extra["cu_seqlens"] = cu
     return {
         "q": draw.normal("q", (b, s, d.n_heads, d.head_dim)),
         "k": draw.normal("k", (b, s, d.n_kv_heads, d.head_dim)),
         "v": draw.normal("v", (b, s, d.n_kv_heads, d.head_dim)),
+        **extra,
     }
 
 
@@ -220,13 +237,19 @@ def make_operator_inputs(
     constant_value: float = 1.0,
     token_value: int = 0,
     seed: int = 0,
+    layout: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The named inputs of `op` (keyword arguments of its gold op), floating tensors in `dtype`."""
+    """The named inputs of `op` (keyword arguments of its gold op), floating tensors in `dtype`, in one of
+    the op's layouts (default: its first)."""
     if op not in INPUT_BUILDERS:
         raise ValueError(f"op: unknown operator {op!r}; known: {', '.join(INPUT_BUILDERS)}")
+    layouts = OPS[op].layouts
+    layout = layouts[0] if layout is None else layout
+    if layout not in layouts:
+        raise ValueError(f"layout: {op} takes {', '.join(layouts)}; got {layout!r}")
     dims = dims or OperatorDims()
     dims.validate()
-    draw = _Draw(op, dtype, device, input_mode, seed, constant_value, token_value)
+    draw = _Draw(op, dtype, device, input_mode, seed, constant_value, token_value, layout)
     return INPUT_BUILDERS[op](dims, draw)
 
 

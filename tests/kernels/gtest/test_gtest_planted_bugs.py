@@ -250,3 +250,50 @@ def test_baseline_relative_without_a_baseline_fails_with_a_message():
     case.baseline_fn = None
     report = run_operator_suite("logp", candidates=[make_candidate("logp", "pytorch")], cases=[case])
     assert "needs a baseline" in failed(report.candidates[0])[0].message
+
+
+# -- attention layouts: the gold owns the meaning of seq_starts and cu_seqlens -------------------------
+
+def _check_layout(layout, fn, **options):
+    case = make_operator_case("attention", dtype="fp32", layout=layout)
+    candidates = [CandidateSpec("planted", fn, "test"), make_candidate("attention", "pytorch")]
+    report = run_operator_suite("attention", candidates=candidates, cases=[case], **options)
+    planted, smoke = report.candidates
+    assert smoke.passed, smoke.to_text()
+    return planted
+
+
+def test_a_packed_candidate_that_attends_across_sequences_fails_accuracy():
+    def leaky(q, k, v, cu_seqlens=None, seq_starts=None):
+        return gold("attention")(q=q, k=k, v=v)  # plain causal over the whole pack
+
+    planted = _check_layout("packed", leaky)
+    assert failed(planted, "forward_accuracy")
+
+
+def test_a_candidate_that_ignores_left_padding_fails_accuracy():
+    def unpadded(q, k, v, seq_starts=None, cu_seqlens=None):
+        return gold("attention")(q=q, k=k, v=v)
+
+    planted = _check_layout("left_padded", unpadded)
+    assert failed(planted, "forward_accuracy")
+
+
+def test_a_packed_candidate_whose_sequence_depends_on_the_pack_fails_invariance_only():
+    def pack_dependent(q, k, v, cu_seqlens=None, seq_starts=None):
+        out = gold("attention")(q=q, k=k, v=v, cu_seqlens=cu_seqlens)
+        return out * (1 + 2.0**-20 * (cu_seqlens.numel() - 1))  # within fp32 tolerance, not bitwise
+
+    planted = _check_layout("packed", pack_dependent, check_invariance=True)
+    assert not failed(planted, "forward_accuracy")
+    assert failed(planted, "forward_invariance")
+
+
+def test_each_layout_of_the_honest_gold_passes_with_rows_per_sequence():
+    for layout in ("padded", "left_padded", "packed"):
+        case = make_operator_case("attention", dtype="fp32", layout=layout)
+        rows = case.rows()
+        assert len(rows) == 2  # OperatorDims.batch sequences, packed or not
+        report = run_operator_suite("attention", candidates=[make_candidate("attention", "pytorch")], cases=[case],
+                                    check_grad=True, check_invariance=True)
+        assert report.passed, report.to_text()

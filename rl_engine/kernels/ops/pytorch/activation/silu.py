@@ -16,3 +16,7 @@ class NativeSiluOp(NativeOp):
 
     def forward(self, *, x):
         return x * torch.sigmoid(x)
+
+    def baseline(self, *, x):
+        self.validate(x=x)
+        return torch.nn.functional.silu(x)

@@ -18,3 +18,8 @@ class NativeSwigluOp(NativeOp):
 
     def forward(self, *, gate, up):
         return gate * torch.sigmoid(gate) * up
+
+    def baseline(self, *, gate, up):
+        """F.silu(gate) * up in the inputs' dtype, as transformers' gated MLP computes it."""
+        self.validate(gate=gate, up=up)
+        return torch.nn.functional.silu(gate) * up

@@ -58,25 +58,71 @@ def check_heads(q_name: str, q, k_name: str, k) -> None:
         )
 
 
+def attention_mask(q, seq_starts=None, cu_seqlens=None, causal: bool = True) -> torch.Tensor:
+    """[B,S,S] bool (True = attend) of a layout: padded q [B,S,H,D] (right padding needs no mask:
+    causality hides it behind each valid token), left-padded (`seq_starts` [B], each row's first valid
+    index), or packed q [1,T,H,D] with `cu_seqlens` [N+1] (block-diagonal). Padding queries see only
+    themselves, so no row is empty (an empty row would be NaN in plain SDPA, and its NaN values would
+    reach valid rows through 0 * NaN)."""
+    b, s = q.shape[0], q.shape[1]
+    idx = torch.arange(s, device=q.device)
+    mask = (idx[None, :] <= idx[:, None]) if causal else torch.ones(s, s, dtype=torch.bool, device=q.device)
+    mask = mask.unsqueeze(0).expand(b, s, s)
+    if seq_starts is not None:
+        mask = mask & (idx[None, None, :] >= seq_starts.long().to(q.device)[:, None, None])
+    if cu_seqlens is not None:
+        seq_id = torch.searchsorted(cu_seqlens.long().to(q.device)[1:], idx, right=True)
+        mask = mask & (seq_id[:, None] == seq_id[None, :]).unsqueeze(0)
+    return mask | torch.eye(s, dtype=torch.bool, device=q.device).unsqueeze(0)
+
+
+def sdpa(q, k, v, mask, scale):
+    """PyTorch's fused attention as users call it, on [B,S,H,D] tensors with a [B,Sq,Sk] bool mask."""
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.unsqueeze(1), scale=scale
+    )
+    return out.transpose(1, 2)
+
+
 class NativeAttentionOp(NativeOp):
-    input_names = ("q", "k", "v")
+    """Causal (or full) grouped-query attention over a padded, left-padded or packed batch."""
+
+    input_names = ("q", "k", "v", "seq_starts", "cu_seqlens")
 
     def __init__(self, causal: bool = True, scale: float | None = None):
         self.causal = causal
         self.scale = scale
 
-    def validate(self, *, q, k, v):
+    def validate(self, *, q, k, v, seq_starts=None, cu_seqlens=None):
         expect_rank("q", q, 4, "[B,S,Hq,D]")
         b, s, _, d = q.shape
         expect_rank("k", k, 4, "[B,S,Hkv,D]")
         expect_shape("k", k, (b, s, k.shape[2], d), "[B,S,Hkv,D]")
         expect_shape("v", v, tuple(k.shape), "[B,S,Hkv,D]")
         check_heads("q", q, "k", k)
+        if seq_starts is not None and cu_seqlens is not None:
+            raise ValueError("seq_starts: not used with cu_seqlens (packed sequences have no padding)")
+        if seq_starts is not None:
+            expect_shape("seq_starts", seq_starts, (b,), "[B]")
+            if seq_starts.is_floating_point() or b and (int(seq_starts.min()) < 0 or int(seq_starts.max()) > s):
+                raise ValueError(f"seq_starts: expected integer starts in [0, S={s}], got {seq_starts.tolist()}")
+        if cu_seqlens is not None:
+            if b != 1:
+                raise ValueError(f"q: the packed form is [1,T,Hq,D] with cu_seqlens, got {tuple(q.shape)}")
+            if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or int(cu_seqlens[0]) != 0 or (
+                    int(cu_seqlens[-1]) != s or bool((cu_seqlens.diff() < 0).any())):
+                raise ValueError(f"cu_seqlens: expected non-decreasing integer offsets from 0 to T={s}, "
+                                 f"got {cu_seqlens.tolist()}")
 
-    def forward(self, *, q, k, v):
-        s, d = q.shape[1], q.shape[3]
-        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(d)
-        mask = torch.ones(s, s, dtype=torch.bool, device=q.device)
-        if self.causal:
-            mask = torch.tril(mask)
-        return grouped_attention(q, k, v, mask.unsqueeze(0), scale)
+    def _scale(self, q):
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[3])
+
+    def forward(self, *, q, k, v, seq_starts=None, cu_seqlens=None):
+        return grouped_attention(q, k, v, attention_mask(q, seq_starts, cu_seqlens, self.causal), self._scale(q))
+
+    def baseline(self, *, q, k, v, seq_starts=None, cu_seqlens=None):
+        """SDPA in the inputs' dtype, default backend, as users call it with a mask."""
+        self.validate(q=q, k=k, v=v, seq_starts=seq_starts, cu_seqlens=cu_seqlens)
+        return sdpa(q, k, v, attention_mask(q, seq_starts, cu_seqlens, self.causal), self._scale(q))

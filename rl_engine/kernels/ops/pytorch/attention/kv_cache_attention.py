@@ -10,8 +10,15 @@ import math
 
 import torch
 
-from rl_engine.kernels.ops.pytorch.attention.attention import check_heads, grouped_attention
+from rl_engine.kernels.ops.pytorch.attention.attention import check_heads, grouped_attention, sdpa
 from rl_engine.kernels.ops.pytorch.base import NativeOp, expect_rank, expect_shape
+
+
+def kv_cache_mask(q, k_cache, cache_seqlens) -> torch.Tensor:
+    """[B,Sq,Smax] bool: query i of row b (at position cache_seqlens[b] - Sq + i) sees cached keys <= it."""
+    sq, smax = q.shape[1], k_cache.shape[1]
+    query_pos = cache_seqlens.long().to(q.device)[:, None] - sq + torch.arange(sq, device=q.device)[None, :]
+    return torch.arange(smax, device=q.device)[None, None, :] <= query_pos[:, :, None]
 
 
 class NativeKvCacheAttentionOp(NativeOp):
@@ -37,12 +44,13 @@ class NativeKvCacheAttentionOp(NativeOp):
                 f"cache), got {cache_seqlens.tolist()}"
             )
 
+    def _scale(self, q):
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[3])
+
     def forward(self, *, q, k_cache, v_cache, cache_seqlens):
-        sq, d = q.shape[1], q.shape[3]
-        smax = k_cache.shape[1]
-        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(d)
-        lengths = cache_seqlens.long().to(q.device)
-        query_pos = lengths[:, None] - sq + torch.arange(sq, device=q.device)[None, :]  # [B,Sq]
-        key_pos = torch.arange(smax, device=q.device)
-        mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B,Sq,Smax]
-        return grouped_attention(q, k_cache, v_cache, mask, scale)
+        return grouped_attention(q, k_cache, v_cache, kv_cache_mask(q, k_cache, cache_seqlens), self._scale(q))
+
+    def baseline(self, *, q, k_cache, v_cache, cache_seqlens):
+        """SDPA in the inputs' dtype with the cache mask, as users call it."""
+        self.validate(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens)
+        return sdpa(q, k_cache, v_cache, kv_cache_mask(q, k_cache, cache_seqlens), self._scale(q))

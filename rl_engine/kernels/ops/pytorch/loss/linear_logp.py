@@ -25,3 +25,11 @@ class NativeLinearLogpOp(NativeOp):
         if bias is not None:
             logits = logits + bias
         return selected_logprobs(logits, target_ids)
+
+    def baseline(self, *, hidden, lm_head_weight, target_ids, bias=None):
+        """What RL trainers do today: logits from a matmul in the inputs' dtype, then an fp32 log-softmax."""
+        self.validate(hidden=hidden, lm_head_weight=lm_head_weight, target_ids=target_ids, bias=bias)
+        logits = hidden @ lm_head_weight.t()
+        if bias is not None:
+            logits = logits + bias
+        return selected_logprobs(logits.float(), target_ids)

@@ -24,3 +24,8 @@ class NativeLogpOp(NativeOp):
 
     def forward(self, *, logits, target_ids):
         return selected_logprobs(logits, target_ids)
+
+    def baseline(self, *, logits, target_ids):
+        """What RL trainers do today: the log-softmax after an fp32 upcast of the logits."""
+        self.validate(logits=logits, target_ids=target_ids)
+        return selected_logprobs(logits.float(), target_ids)

@@ -121,13 +121,14 @@ def triton_attention(q, k, v, *, causal: bool = True, scale: float | None = None
 
 
 class TritonAttentionOp:
-    """Candidate for NativeAttentionOp: op(q=..., k=..., v=...) -> [B,S,Hq,D] in q's dtype."""
+    """Candidate for NativeAttentionOp: op(q=, k=, v=, [seq_starts= or cu_seqlens=]) -> q's shape and dtype."""
 
-    input_names = ("q", "k", "v")
+    input_names = ("q", "k", "v", "seq_starts", "cu_seqlens")
 
     def __init__(self, causal: bool = True, scale: float | None = None):
         self.causal = causal
         self.scale = scale
 
-    def __call__(self, q, k, v):
-        return triton_attention(q, k, v, causal=self.causal, scale=self.scale)
+    def __call__(self, q, k, v, seq_starts=None, cu_seqlens=None):
+        return triton_attention(q, k, v, causal=self.causal, scale=self.scale, seq_starts=seq_starts,
+                                cu_seqlens=cu_seqlens)
