@@ -29,11 +29,9 @@ Every measurement is wrapped so that one failure (OOM, missing peer) does not lo
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
 import json
 import os
-import platform
 import sys
 import traceback
 from collections.abc import Callable
@@ -76,14 +74,9 @@ def _version(module: str) -> str:
 
 def environment() -> dict:
     """What the numbers were measured on."""
-    env = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "triton": _version("triton"),
-        "cuda": torch.version.cuda,
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-    }
+    from rl_engine.environment import environment as record
+
+    env = record()
     try:
         from importlib.metadata import version
 

@@ -17,13 +17,11 @@ import argparse
 import gc
 import json
 import os
-import platform
 import re
 import signal
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,19 +38,15 @@ def log(fh, line: str) -> None:
 
 
 def environment(commit: str | None) -> dict:
-    import numpy
-    import torch
-    import triton
-
     if commit is None:  # a copied tree may carry a stale .git: --commit names what was copied
         try:
             commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                     text=True, timeout=10).stdout.strip() or None
         except OSError:
             pass
-    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit,
-            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "numpy": numpy.__version__, "python": platform.python_version()}
+    from rl_engine.environment import environment as record
+
+    return {**record("cuda"), "commit": commit}
 
 
 def start_pytest(out: Path, workers: int) -> subprocess.Popen:

@@ -3,8 +3,10 @@
 For a profile, a model and the workload (rl_engine/workload/manifest.json) the harness runs:
 - the configuration matrix (manifest `matrix`; the first cell, packed BN, is canonical): every cell's
   selected logprobs, restored to (sample id, position), must equal the canonical cell's bit for bit;
-- accuracy of the canonical cell against the `reference_fp32` profile on the same weights, by the
-  baseline-relative rule max|cand − ref| <= ACCURACY_K · max|torch_bf16 − ref| + ACCURACY_ATOL;
+- accuracy of the canonical cell against the `reference_fp32` profile on the same weights, under the
+  tolerance contract's forward_accuracy row for logprobs in the profile's dtype (bf16: baseline-relative,
+  max|cand − ref| <= k · max|torch_bf16 − ref| + atol): the model's selected logprobs are judged like
+  the logprob ops (`model_accuracy_tolerance`);
 - gradient invariance: d(sum of active logprobs)/d(embedding output), per token, across the
   unchunked cells, bit for bit; weight gradients only run to run in the canonical layout (their
   reduction over tokens follows the layout's token order, so across layouts they legitimately differ);
@@ -17,7 +19,6 @@ Any exception inside a step fails that step with its message; nothing is skipped
 
 from __future__ import annotations
 
-import datetime
 import time
 import traceback
 from collections.abc import Callable
@@ -25,19 +26,24 @@ from dataclasses import dataclass
 
 import torch
 
+from rl_engine.bits import bit_mismatch
+from rl_engine.environment import environment
 from rl_engine.invariance.parity import bitwise_parity, parity_aggregates
 from rl_engine.invariance.provenance import node_table, provenance_failures
+from rl_engine.kernels.gtest.tolerance import Tolerance, contract_fingerprint, load_contract, resolve_tolerance
 from rl_engine.models.config import ModelConfig
 from rl_engine.models.decoder import DecoderModel, KvCache
 from rl_engine.models.profiles import ProfileOps, get_profile
 from rl_engine.workload.layouts import Sample, chunk, pack, pad, permute, restore
 from rl_engine.workload.manifest import Cell, Workload
 
-ACCURACY_K = 2.0
-ACCURACY_ATOL = 1e-5
-ACCURACY_RULE = f"max|cand-ref| <= {ACCURACY_K} * max|torch_bf16-ref| + {ACCURACY_ATOL} (baseline_relative)"
 # Weight gradients checked for run-to-run determinism (a subset keeps the 8B run cheap).
 WEIGHT_GRAD_NAMES = ("model.norm.weight", "lm_head.weight", "model.layers.0.self_attn.q_proj.weight")
+
+
+def model_accuracy_tolerance(dtype) -> Tolerance:
+    """The contract row that judges a model's selected logprobs in `dtype` against the fp32 reference."""
+    return resolve_tolerance(load_contract(), judgment="forward_accuracy", op_class="logprob", dtype=dtype)
 
 
 def build_model(config: ModelConfig, weights: dict, profile_name: str) -> DecoderModel:
@@ -102,8 +108,7 @@ def compare(candidate: dict, canonical: dict) -> dict:
     max_abs = 0.0
     for sid, ref in canonical.items():
         got = candidate[sid]
-        neq = got.view(torch.int32) != ref.view(torch.int32)
-        mismatched += int(neq.sum())
+        mismatched += bit_mismatch(got, ref)[0]
         total += ref.numel()
         max_abs = max(max_abs, float((got.double() - ref.double()).abs().max()))
     return {"bitwise": mismatched == 0, "mismatched_tokens": mismatched, "tokens": total, "max_abs_diff": max_abs}
@@ -224,22 +229,6 @@ class Step:
     run: Callable[[], None]
 
 
-def _environment(device) -> dict:
-    env = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": str(device),
-        "torch": torch.__version__,
-    }
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = "unavailable"
-    if torch.device(device).type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return env
-
 
 def _timed_canonical(model, workload, device, warmup: bool = False) -> tuple[dict, float]:
     """The canonical cell's logprobs and its wall time (after one untimed run when `warmup`)."""
@@ -271,7 +260,8 @@ def run_harness(
         "family": config.family,
         "config_fingerprint": config.fingerprint(),
         "fixture_hash": workload.fixture_hash,
-        **_environment(device),
+        "contract_fingerprint": contract_fingerprint(load_contract()),
+        **environment(device),
     }
     errors: dict[str, str] = {}
     results: dict = {}
@@ -368,9 +358,12 @@ def run_harness(
         ref, base = results["refs"]["reference_fp32"], results["refs"]["torch_bf16"]
         cand_err = max(float((canonical[s] - ref[s]).abs().max()) for s in ref)
         base_err = max(float((base[s] - ref[s]).abs().max()) for s in ref)
+        tol = model_accuracy_tolerance(get_profile(profile_name).dtype)
+        ref_scale = max(float(ref[s].abs().max()) for s in ref)
         report["accuracy"] = {
-            "passed": cand_err <= ACCURACY_K * base_err + ACCURACY_ATOL,
-            "rule": ACCURACY_RULE,
+            "passed": cand_err <= tol.max_abs_bound(base_err, ref_scale),
+            "rule": f"contract {tol.judgment}/{tol.op_class}/{tol.dtype}: {tol.describe()} "
+                    "(baseline: torch_bf16 vs reference_fp32)",
             "max_abs_vs_reference": cand_err,
             "mean_abs_vs_reference": float(flat({s: (canonical[s] - ref[s]).abs() for s in ref}, workload).mean()),
             "baseline_max_abs_vs_reference": base_err,

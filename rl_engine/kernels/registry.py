@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rl_engine.bits import dtype_key
 from rl_engine.errors import UsageError
 from rl_engine.kernels.records import OPS
 from rl_engine.loading import load_object
@@ -107,7 +108,7 @@ class Registry:
         tf32 = tf32_enabled()
         out = impl.adapter(self.kernel(impl), params, inputs)
         if recorder is not None:
-            dtype = str(out.dtype).removeprefix("torch.")
+            dtype = dtype_key(out.dtype)
             recorder.add(DispatchRecord(node, op, impl.backend, impl.target, dtype, tf32))
         return out
 

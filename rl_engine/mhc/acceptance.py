@@ -22,15 +22,14 @@ Exit codes: 0 passed, 1 failed, 2 usage error.
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
 
+from rl_engine.environment import environment
 from rl_engine.errors import UsageError
 from rl_engine.mhc import oracle
 from rl_engine.mhc.contract import judgment_for
@@ -170,19 +169,6 @@ def _batch_invariance(provider, batch, controller, norm, contract, traced) -> di
                 return {"passed": False, "first_divergence": {"row": t, "boundary": name, "what": what, **diff}}
     return {"passed": True, "rows": batch.tokens, "boundaries": len(per_token)}
 
-
-def environment(device) -> dict:
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except Exception:  # noqa: BLE001 - optional
-        triton_version = "unavailable"
-    dev = torch.device(device)
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine()
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": str(dev), "device_name": name, "torch": torch.__version__, "triton": triton_version,
-            "python": platform.python_version()}
 
 
 def check_provider(provider, cases: list[Case], device="cpu", manifest: dict | None = None,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rl_engine.bits import dtype_key
 from rl_engine.kernels.records import MODEL_OPS
 from rl_engine.kernels.records import OPS as RECORDS
 from rl_engine.kernels.registry import REGISTRY, Recorder, Registry
@@ -40,7 +41,7 @@ def build_profile(name: str, dtype: torch.dtype, backends: dict, registry: Regis
         backend = backends[op]
         # Logprob outputs are fp32 in every profile (DESIGN.md, rule 4).
         out = torch.float32 if RECORDS[op].fp32_output else dtype
-        declared[op] = Declared(backend, registry.lookup(op, backend).target, str(out).removeprefix("torch."))
+        declared[op] = Declared(backend, registry.lookup(op, backend).target, dtype_key(out))
     return Profile(name, dtype, declared)
 
 

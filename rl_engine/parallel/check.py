@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import platform
 import time
@@ -19,7 +18,9 @@ from pathlib import Path
 
 import torch
 
+from rl_engine.environment import environment
 from rl_engine.errors import UsageError
+from rl_engine.kernels.gtest.tolerance import contract_fingerprint, load_contract
 from rl_engine.outputs import check_writable, write_atomic
 from rl_engine.parallel.canonical import SUPPORTED_WORLD_SIZES, ShardLayout
 from rl_engine.parallel.invariance import (
@@ -59,21 +60,6 @@ def _world_sizes(text: str) -> tuple[int, ...]:
         raise UsageError(f"--world-sizes: expected a subset of {SUPPORTED_WORLD_SIZES} including 1, got {text!r}")
     return sizes
 
-
-def _environment(device: str) -> dict:
-    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "torch": torch.__version__, "python": platform.python_version(), "host": platform.node()}
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = "unavailable"
-    if device == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(0)
-        env["gpu_count"] = torch.cuda.device_count()
-        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    return env
 
 
 def _summary(report: dict) -> dict:
@@ -137,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
             "communication_env": COMMUNICATION_ENV,
             "preset": args.preset,
             "sizes": dataclasses.asdict(sizes),
-            "environment": _environment(args.device),
+            "environment": {**environment(args.device), "host": platform.node()},
+            # Every verdict here is bitwise; the fingerprint names the contract that says so.
+            "contract_fingerprint": contract_fingerprint(load_contract()),
             "results_compared": len(report["results"]),
             "summary": summary,
             "failing": failing,

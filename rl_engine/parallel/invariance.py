@@ -15,6 +15,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from rl_engine.bits import bitwise_equal
 from rl_engine.parallel.canonical import ShardLayout
 from rl_engine.parallel.linear import column_parallel_linear, row_parallel_linear
 from rl_engine.parallel.vocab_parallel import vocab_parallel_linear_logp, vocab_parallel_logp
@@ -225,14 +226,6 @@ def run_world_sizes(rank: int, world_size: int, device: str, sizes: ProblemSizes
 def runs_by_tp(rank_results: list) -> dict:
     """spawn_group's per-rank {tp: results} -> {tp: [results of every rank]}."""
     return {tp: [r[tp] for r in rank_results] for tp in rank_results[0]}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().cpu().view(torch.uint8)
-
-
-def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:

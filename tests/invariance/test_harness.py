@@ -2,6 +2,7 @@ import dataclasses
 
 from rl_engine.invariance import harness
 from rl_engine.invariance.harness import run_harness
+from rl_engine.kernels.gtest.tolerance import contract_fingerprint, load_contract
 from rl_engine.kernels.registry import Implementation
 
 
@@ -19,6 +20,7 @@ def test_exact_profile_passes_every_check(tiny, make_exact_model):
     assert report["parity"]["passed"], report["parity"]
     assert report["provenance"]["passed"], report["provenance"]
     assert report["accuracy"]["passed"] and report["passed"]
+    assert report["contract_fingerprint"] == contract_fingerprint(load_contract())
     for agg in report["parity"]["infer"].values():
         assert agg["max_abs_dlogp"] == agg["mean_abs_dlogp"] == agg["k3_kl"] == agg["clipfrac"] == 0.0
         assert agg["tokens"] == sum(s.length - s.prompt_len for s in workload.samples)

@@ -46,7 +46,7 @@ def test_wrong_output_dtype_names_the_node():
     honest = registry.lookup("linear_logp", "torch")
     registry.register(dataclasses.replace(honest, adapter=lambda f, p, i: honest.adapter(f, p, i).double()))
     failures = _run(_model("torch_bf16", registry))
-    assert failures == ["node logp: op linear_logp returned float64, profile torch_bf16 declares float32"]
+    assert failures == ["node logp: op linear_logp returned fp64, profile torch_bf16 declares fp32"]
 
 
 def test_tf32_on_fails():

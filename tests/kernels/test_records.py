@@ -44,7 +44,7 @@ def test_profiles_declare_the_model_ops_and_fp32_logprobs():
         assert tuple(profile.declared) == MODEL_OPS
         for op, declared in profile.declared.items():
             if OPS[op].fp32_output:
-                assert declared.output_dtype == "float32"
+                assert declared.output_dtype == "fp32"
 
 
 def test_the_docs_table_covers_every_op():

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from rl_engine import cli
-from rl_engine.invariance.harness import ACCURACY_ATOL, ACCURACY_K
+from rl_engine.invariance.harness import model_accuracy_tolerance
 from rl_engine.models.config import ModelConfig
 from rl_engine.models.decoder import DecoderModel, rope_inv_freq
 from rl_engine.models.families import CONFIGS, FAMILIES
@@ -126,7 +126,7 @@ def test_bf16_within_transformers_own_bf16_error(tmp_path, key, profile, layers)
     hf_error = float((_hf_logp(hf.to(torch.bfloat16), ids, targets, positions) - reference).abs().max())
     ours = _our_logp(config, weights, profile, ids, targets, positions)
     error = float((ours - reference).abs().max())
-    assert 0 < hf_error and error <= ACCURACY_K * hf_error + ACCURACY_ATOL, (error, hf_error)
+    assert 0 < hf_error and error <= model_accuracy_tolerance(torch.bfloat16).max_abs_bound(hf_error), (error, hf_error)
 
 
 @pytest.mark.parametrize("name", ["llama-3.1-8b", "llama-3.2-1b", "tiny-llama"])

@@ -15,13 +15,13 @@ failed output reports; the suite goes on.
 
 from __future__ import annotations
 
-import datetime
-import platform
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from rl_engine.bits import bit_mismatch, dtype_key
+from rl_engine.environment import environment
 from rl_engine.kernels.gtest.report import CandidateReport, OutputReport, SuiteReport
 from rl_engine.kernels.gtest.tolerance import (
     Tolerance,
@@ -32,7 +32,6 @@ from rl_engine.kernels.gtest.tolerance import (
 )
 
 GRAD_MODES = ("random", "ones")
-_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass
@@ -159,27 +158,6 @@ def _upstream_grads(outputs: list, mode: str, seed: int, dtype: torch.dtype) -> 
     return grads
 
 
-def _ordered_bits(t: torch.Tensor) -> torch.Tensor:
-    """Bit patterns as integers ordered like the floats (sign-magnitude to two's complement)."""
-    bits = t.contiguous().view(_INT_VIEW[t.element_size()]).long()
-    lowest = -(1 << (8 * t.element_size() - 1))
-    return torch.where(bits < 0, lowest - bits, bits)
-
-
-def _bit_mismatch(cand: torch.Tensor, ref: torch.Tensor) -> tuple[int, int]:
-    """(elements whose bits differ, largest ulp distance) in the candidate's dtype."""
-    if not cand.is_floating_point():
-        diff = cand.long() != ref.long()
-        return int(diff.sum()), int((cand.long() - ref.long()).abs().max()) if diff.any() else 0
-    ref = ref.to(cand.dtype)
-    size = _INT_VIEW[cand.element_size()]
-    differs = cand.contiguous().view(size) != ref.contiguous().view(size)
-    if not differs.any():
-        return 0, 0
-    ulp = (_ordered_bits(cand) - _ordered_bits(ref)).abs()
-    return int(differs.sum()), int(ulp.max())
-
-
 def _finite_error(cand64: torch.Tensor, ref64: torch.Tensor) -> torch.Tensor:
     both = torch.isfinite(cand64) & torch.isfinite(ref64)
     return (cand64 - ref64).abs()[both], ref64.abs()[both]
@@ -191,7 +169,7 @@ def compare_tensor(
     """Judge one candidate tensor against the reference under `tol`; `where` names it in the report."""
     report = OutputReport(
         **where, judgment=tol.judgment, passed=False, tolerance=tol, shape=tuple(cand.shape),
-        dtype=str(cand.dtype), reference_dtype=str(ref.dtype),
+        dtype=dtype_key(cand.dtype), reference_dtype=dtype_key(ref.dtype),
     )
     if tuple(cand.shape) != tuple(ref.shape):
         report.message = f"wrong shape: got {tuple(cand.shape)}, expected {tuple(ref.shape)}"
@@ -219,7 +197,7 @@ def compare_tensor(
         report.max_abs = report.mean_abs = report.max_rel = 0.0
 
     if tol.mode == "bitwise":
-        report.mismatches, report.max_ulp = _bit_mismatch(cand.detach(), ref.detach())
+        report.mismatches, report.max_ulp = bit_mismatch(cand.detach(), ref.detach())
         if report.mismatches:
             problems.append(f"{report.mismatches} elements differ in their bits (max {report.max_ulp} ulp)")
     elif tol.mode == "allclose":
@@ -364,8 +342,8 @@ def _check_invariance(case, cand, full: _Run, full_grads: dict, gold: _Gold, con
 
 def _compare_rows(case_name, index, role, tol, whole, rows, pick, indices) -> OutputReport:
     report = OutputReport(case=case_name, output_index=index, role=role, judgment=tol.judgment, passed=False,
-                          tolerance=tol, shape=tuple(whole.shape), dtype=str(whole.dtype),
-                          reference_dtype=str(whole.dtype), mismatches=0, max_ulp=0, max_abs=0.0, mean_abs=0.0,
+                          tolerance=tol, shape=tuple(whole.shape), dtype=dtype_key(whole.dtype),
+                          reference_dtype=dtype_key(whole.dtype), mismatches=0, max_ulp=0, max_abs=0.0, mean_abs=0.0,
                           max_rel=0.0)
     failing, problems = [], []
     total_abs, count = 0.0, 0
@@ -391,7 +369,7 @@ def _compare_rows(case_name, index, role, tol, whole, rows, pick, indices) -> Ou
             failing.append(b)
             problems.append(f"row {b}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
             continue
-        mismatches, ulp = _bit_mismatch(got, expected)
+        mismatches, ulp = bit_mismatch(got, expected)
         diff, ref_abs = _finite_error(got.double(), expected.double())
         if diff.numel():
             report.max_abs = max(report.max_abs, float(diff.max()))
@@ -412,25 +390,12 @@ def _compare_rows(case_name, index, role, tol, whole, rows, pick, indices) -> Ou
     return report
 
 
-def _device_name(cases) -> str:
+def _device(cases):
     for case in cases:
         for value in case.inputs.values():
             if isinstance(value, torch.Tensor):
-                if value.device.type == "cuda":
-                    return torch.cuda.get_device_name(value.device)
-                return f"{value.device.type} ({platform.processor() or platform.machine()})"
-    return "unknown"
-
-
-def environment(cases=()) -> dict:
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except Exception:  # Triton is optional for the harness itself
-        triton_version = "unavailable"
-    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    return {"date": date, "torch": torch.__version__, "triton": triton_version, "device": _device_name(cases)}
+                return value.device
+    return None
 
 
 def run_operator_suite(
@@ -474,4 +439,4 @@ def run_operator_suite(
     settings = {"seed": seed, "check_grad": check_grad, "grad_mode": grad_mode, "grad_seed": grad_seed,
                 "check_invariance": check_invariance}
     return SuiteReport(suite=suite_name, candidates=reports, contract_fingerprint=contract_fingerprint(contract),
-                       settings=settings, environment=environment(cases), notes=notes)
+                       settings=settings, environment=environment(_device(cases)), notes=notes)

@@ -19,13 +19,12 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
+from rl_engine.bits import DTYPES, dtype_key
 
 DEFAULT_CONTRACT_PATH = Path(__file__).with_name("tolerance_contract.json")
 
 JUDGMENTS = ("forward_accuracy", "gradient_accuracy", "forward_invariance", "gradient_invariance")
 INVARIANCE_JUDGMENTS = ("forward_invariance", "gradient_invariance")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MODE_PARAMETERS = {"bitwise": (), "allclose": ("atol", "rtol"), "baseline_relative": ("k", "atol")}
 TOP_LEVEL_KEYS = {"schema_version": True, "description": False, "op_classes": True, "rows": True}
 ROW_KEYS = {"judgment", "op_class", "dtype", "mode", "rationale", "arch_key", "atol", "rtol", "k"}
@@ -55,17 +54,14 @@ class Tolerance:
     def to_dict(self) -> dict:
         return asdict(self)
 
-
-def dtype_key(dtype) -> str:
-    """'fp32' / 'bf16' / 'fp16' for a torch dtype or one of those names."""
-    if isinstance(dtype, str):
-        if dtype in DTYPES:
-            return dtype
-    else:
-        for key, value in DTYPES.items():
-            if value == dtype:
-                return key
-    raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    def max_abs_bound(self, baseline_max_abs: float = 0.0, reference_max_abs: float = 0.0) -> float:
+        """The largest max|cand - ref| the row allows for a whole output (allclose: at its largest |ref|,
+        a summary looser than the per-element rule); 0 for bitwise."""
+        if self.mode == "baseline_relative":
+            return self.k * baseline_max_abs + self.atol
+        if self.mode == "allclose":
+            return self.atol + self.rtol * reference_max_abs
+        return 0.0
 
 
 def _is_number(value) -> bool:
