@@ -103,3 +103,36 @@ def test_the_loader_takes_colon_and_dotted_paths_and_nested_attributes(monkeypat
         load_object("loader_probe:Outer.missing", "x")
     with pytest.raises(UsageError, match="x must be 'module:attr'"):
         load_object("nodots", "x")
+
+
+# -- a compiled candidate: the CUDA C++ logp in examples/ -------------------------------------------
+CUDA_LOGP = "examples.cuda_logp:CudaLogp"
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def cli_run(capsys, *args):
+    code = cli.main(["check-op", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fail-closed path is the one without a GPU")
+def test_the_cuda_candidate_fails_closed_with_one_line_where_it_cannot_be_built(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    code, out, err = cli_run(capsys, "--op", "logp", "--candidate", CUDA_LOGP, "--device", "cpu")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "needs a CUDA GPU" in err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_cuda_candidate_passes_check_op_with_gradients_and_invariance(capsys, monkeypatch, tmp_path, dtype):
+    monkeypatch.syspath_prepend(str(ROOT))
+    report = tmp_path / f"cuda_logp_{dtype}.json"
+    code, out, err = cli_run(capsys, "--op", "logp", "--candidate", CUDA_LOGP, "--device", "cuda", "--dtype", dtype,
+                              "--qwen3-8b", "--seq", "256", "--arch-key", "sm90", "--check-grad", "--check-invariance",
+                              "--json-out", str(report))
+    assert code == 0, out + err
+    outputs = json.loads(report.read_text())["candidates"][0]["outputs"]
+    assert {o["judgment"] for o in outputs} == {"forward_accuracy", "gradient_accuracy", "forward_invariance",
+                                                "gradient_invariance"}
