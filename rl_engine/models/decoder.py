@@ -18,9 +18,11 @@ host exactly as transformers' `_compute_llama3_parameters` and hands it to the r
 Attention layouts:
 - padded [B,S]: right padding needs no mask; left padding passes `seq_starts` [B];
 - packed [1,T] with `cu_seqlens` [N+1];
-- cached: new tokens are written into a `KvCache` at their positions, then attend through
+- cached: new tokens are written into a cache at their positions, then attend through
   `kv_cache_attention` (chunked prefill and decode). Cached layouts hold each sequence from
-  position 0 of its cache row (no left padding), so cache index = position.
+  position 0 of its cache row (no left padding), so cache index = position. A cache is anything
+  with `write(layer, positions, k, v)` and `layer_kv(layer) -> (k [B,Smax,Hkv,D], v)`: the
+  contiguous `KvCache` below, or the paged cache of rl_engine.rollout (which gathers its pages).
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ class KvCache:
         rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(positions)
         self.k[layer][rows, positions.long()] = k
         self.v[layer][rows, positions.long()] = v
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer], self.v[layer]
 
 
 class DecoderModel:
@@ -178,17 +183,19 @@ class DecoderModel:
 
         return self._decoder(h, positions, attend)
 
-    def forward_cached(self, token_ids, positions, cache: KvCache, cache_seqlens, *, embeds=None):
+    def forward_cached(self, token_ids, positions, cache, cache_seqlens, *, embeds=None):
         """New tokens [B,Sq] at `positions` against the cache (chunked prefill, decode).
 
         cache_seqlens[b] counts the valid cached tokens of row b after this step, the new ones included.
+        `cache`: a `KvCache` or any object with its `write` and `layer_kv` (module docstring).
         """
         h = self.embed(token_ids) if embeds is None else embeds
 
         def attend(i, node, q, k, v):
             cache.write(i, positions, k, v)
+            k_cache, v_cache = cache.layer_kv(i)
             return self.ops(
-                "kv_cache_attention", node, q=q, k_cache=cache.k[i], v_cache=cache.v[i], cache_seqlens=cache_seqlens
+                "kv_cache_attention", node, q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens
             )
 
         return self._decoder(h, positions, attend)

@@ -1,0 +1,45 @@
+"""The paged cache gathers exactly what a contiguous cache holds; pages are taken and given back."""
+
+import pytest
+import torch
+
+from rl_engine.models.decoder import KvCache
+from rl_engine.rollout.paged_cache import NULL_PAGE, PagedKvCache
+
+
+def test_gather_equals_the_contiguous_cache(micro_config):
+    g = torch.Generator().manual_seed(0)
+    paged = PagedKvCache(micro_config, num_pages=12, page_size=3, dtype=torch.float32, device="cpu")
+    paged.reserve(7, 2)  # a neighbour takes the first pages, so sequence 5's pages are not 1, 2, ...
+    paged.reserve(5, 8)
+    paged.reserve(9, 4)
+    paged.release(7)
+    paged.reserve(8, 5)  # reuses the pages 7 gave back
+    ids, lengths = [5, 9, 8], [8, 4, 5]
+    dense = KvCache.empty(micro_config, 3, 9, torch.float32, "cpu")
+    paged.bind(ids)
+    for start, stop in ((0, 2), (2, 4), (4, 5)):  # chunks of different sizes, as prefill + decode write them
+        pos = torch.arange(start, stop)[None].expand(3, -1)
+        k = torch.randn(3, stop - start, micro_config.num_kv_heads, micro_config.head_dim, generator=g)
+        v = torch.randn(k.shape, generator=g)
+        paged.write(0, pos, k, v)
+        dense.write(0, pos, k, v)
+    gk, gv = paged.layer_kv(0)
+    assert gk.shape == (3, 9, micro_config.num_kv_heads, micro_config.head_dim)  # 3 pages of 3 for the longest table
+    for row, length in enumerate(lengths):
+        n = min(length, 5)
+        assert torch.equal(gk[row, :n], dense.k[0][row, :n]) and torch.equal(gv[row, :n], dense.v[0][row, :n])
+    assert torch.equal(gk[1, 6:], torch.zeros_like(gk[1, 6:]))  # past its pages: the null page, zeros
+
+
+def test_pages_are_reserved_and_given_back(micro_config):
+    paged = PagedKvCache(micro_config, num_pages=5, page_size=4, dtype=torch.float32, device="cpu")
+    assert paged.free_pages == 4  # page 0 is the null page
+    paged.reserve(1, 9)
+    assert len(paged.tables[1]) == 3 and NULL_PAGE not in paged.tables[1]
+    with pytest.raises(RuntimeError, match="needs 2 more pages, 1 free"):
+        paged.reserve(2, 5)
+    paged.reserve(1, 12)  # growing within its pages takes nothing more
+    assert paged.free_pages == 1
+    paged.release(1)
+    assert paged.free_pages == 4 and 1 not in paged.tables
