@@ -102,7 +102,7 @@ def test_planted_bugs_break_the_agreement(tmp_path):
 
 
 def test_bf16_within_transformers_own_bf16_error(tmp_path):
-    from rl_engine.invariance.harness import ACCURACY_ATOL, ACCURACY_K
+    from rl_engine.invariance.harness import model_accuracy_tolerance
 
     hf = _hf_checkpoint(tmp_path, "renormalised", layers=2)
     config = load_hf_config(tmp_path)
@@ -111,7 +111,7 @@ def test_bf16_within_transformers_own_bf16_error(tmp_path):
     reference = _hf_logp(hf, ids, targets, positions)
     hf_error = float((_hf_logp(hf.to(torch.bfloat16), ids, targets, positions) - reference).abs().max())
     error = float((_our_logp(config, weights, ids, targets, positions, "torch_bf16") - reference).abs().max())
-    assert 0 < hf_error and error <= ACCURACY_K * hf_error + ACCURACY_ATOL, (error, hf_error)
+    assert 0 < hf_error and error <= model_accuracy_tolerance(torch.bfloat16).max_abs_bound(hf_error), (error, hf_error)
 
 
 # -- config.json ----------------------------------------------------------------------------------
