@@ -48,7 +48,18 @@ import sys
 import time
 
 import torch
-from common import GB, arg_parser, bench_ms, gemm_ceiling, measure, optional_import, print_table, save_plot, write_json
+from common import (
+    GB,
+    arg_parser,
+    bench_ms,
+    gemm_ceiling,
+    hf_qwen3_model,
+    measure,
+    optional_import,
+    print_table,
+    save_plot,
+    write_json,
+)
 
 if not torch.cuda.is_available():  # Triton reads this when a kernel is decorated: before rl_engine's kernels load
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -80,32 +91,7 @@ class Unavailable(Exception):
 
 
 def build_model(config, weights, device):
-    """transformers' Qwen3ForCausalLM for `config` holding `weights`, bf16 parameters, attn_implementation sdpa."""
-    import transformers
-
-    kwargs = dict(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
-        tie_word_embeddings=config.tie_word_embeddings, max_position_embeddings=40960, attn_implementation="sdpa",
-    )
-    if int(transformers.__version__.split(".")[0]) >= 5:
-        kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_theta}
-    else:
-        kwargs["rope_theta"] = config.rope_theta
-    cfg = transformers.Qwen3Config(**kwargs)
-    # Built in bf16 (not converted after): the rotary inv_freq buffer stays fp32, as from_pretrained leaves it.
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = transformers.Qwen3ForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(default)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if unexpected or set(missing) - ({"lm_head.weight"} if config.tie_word_embeddings else set()):
-        raise RuntimeError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
-    return model
+    return hf_qwen3_model(config, weights, device)
 
 
 def make_inputs(config, batch, seq, lengths, device):
