@@ -65,3 +65,29 @@ def test_check_ops_covers_every_record_layout_and_dtype(tmp_path, monkeypatch):
     assert ("attention", "packed", "bf16", True) in expected
     assert [r["passed"] for r in rows if r["op"] == "rope"] == [False, False]
     assert not gpu_gate.gate_passed(suite("140 passed in 50.0s"), rows)
+
+
+def test_a_whole_gate_run_writes_its_summary_and_verdict(tmp_path, monkeypatch, capsys):
+    """main() end to end with the GPU parts faked: the verdict names the device from the shared
+    environment record (a KeyError there would lose a whole GPU run's verdict)."""
+    import subprocess
+    import sys
+
+    import torch
+
+    def fake_pytest(out, workers):
+        return subprocess.Popen([sys.executable, "-c", "print('140 passed in 1.0s')"],
+                                stdout=open(out / "pytest_gpu.log", "w"), start_new_session=True)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    real_environment = gpu_gate.environment
+    monkeypatch.setattr(gpu_gate, "environment", lambda commit: real_environment(commit, device="cpu"))
+    monkeypatch.setattr(gpu_gate, "check_ops", lambda out, fh: list(OPS_OK))
+    monkeypatch.setattr(gpu_gate, "start_pytest", fake_pytest)
+    monkeypatch.setattr(sys, "argv", ["gpu_gate.py", "--out", str(tmp_path / "gate"), "--commit", "abc1234"])
+    assert gpu_gate.main() == 0
+    summary = __import__("json").loads((tmp_path / "gate" / "gpu_gate_summary.json").read_text())
+    assert summary["passed"] and summary["environment"]["commit"] == "abc1234"
+    assert "GPU gate PASSED: pytest -m gpu 140 passed" in capsys.readouterr().out
+
