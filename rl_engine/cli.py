@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable
 from contextlib import contextmanager
 from types import SimpleNamespace
+from typing import NoReturn
 
 from rl_engine.errors import Terminated, UsageError
 
@@ -110,6 +111,19 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict]:
     return parser, modules
 
 
+def _exit_now(code: int) -> NoReturn:
+    """End the process with `code` after a stop signal, skipping interpreter shutdown: CPython's exit
+    path could still turn it into a death by SIGINT (returncode -2 instead of 130; seen in CI under
+    load, about one run in eight). Everything the command wrote is flushed first; its `finally` blocks
+    (rank processes ended, no half-written report) have already run."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing left to save
+            pass
+    os._exit(code)
+
+
 def run_guarded(prog: str, command: Callable[[], int]) -> int:
     """`command()` with the command-line boundary around it: stop signals become an exception, then
     'interrupted' and 128 + the signal; a UsageError or a failed allocation becomes one line and 2."""
@@ -121,6 +135,8 @@ def run_guarded(prog: str, command: Callable[[], int]) -> int:
             if stop.signum is not None or isinstance(exc, KeyboardInterrupt):
                 signum = stop.signum or getattr(exc, "signum", signal.SIGINT)
                 print(f"{prog}: interrupted", file=sys.stderr)
+                if stop.signum is not None:
+                    _exit_now(128 + int(signum))
                 return 128 + int(signum)
             if isinstance(exc, BrokenPipeError):  # `| head` closed the pipe: stop quietly, as shell tools do
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush must not raise
