@@ -5,12 +5,9 @@ stand-in package (SDPA inside) reached through a .pth file in --site-dir, as the
 import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 FAKE_FA4 = '''
 import torch.nn.functional as F
@@ -24,15 +21,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False):
 
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCHMARKS))  # the script imports its helpers as `common`
-    spec = importlib.util.spec_from_file_location("benchmarks_attention", BENCHMARKS / "attention.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
-    sys.path.remove(str(BENCHMARKS))
+def bench(load_benchmark):
+    return load_benchmark("attention")
 
 
 @pytest.fixture
