@@ -84,10 +84,10 @@ def gate_passed(suite: dict, ops: list[dict]) -> bool:
 
 def check_ops(out: Path, fh) -> list[dict]:
     from rl_engine.kernels.gtest import check_op
-    from rl_engine.kernels.gtest.operator_specs import OP_SPECS
+    from rl_engine.kernels.records import OPS
 
     results = []
-    for op, spec in OP_SPECS.items():
+    for op, spec in OPS.items():
         for layout in spec.layouts:
             for dtype in ("bf16", "fp32"):
                 name = op if layout == spec.layouts[0] else f"{op}_{layout}"
