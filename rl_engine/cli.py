@@ -53,17 +53,20 @@ def stop_signals(prog: str = "rl-engine"):
     whatever happens, with the same one line and exit code."""
     state = SimpleNamespace(signum=None, reported=False)
 
-    def expire():
+    def end():
+        """The one way out after a stop signal: one line, then 128 + the signal (from any thread)."""
         if not state.reported:
             state.reported = True
             print(f"{prog}: interrupted", file=sys.stderr)
         _exit_now(128 + int(state.signum))
 
+    state.end = end
+
     def handler(signum, frame):
         if state.signum is not None:
             return
         state.signum = signum
-        watchdog = threading.Timer(STOP_GRACE_S, expire)
+        watchdog = threading.Timer(STOP_GRACE_S, end)
         watchdog.daemon = True
         watchdog.start()
         raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
@@ -83,9 +86,8 @@ def stop_signals(prog: str = "rl-engine"):
         yield state
     finally:
         sys.unraisablehook = previous_hook
-        # After a stop signal the process is on its way out: stop signals stay ignored.
         for s, h in previous.items():
-            signal.signal(s, h if state.signum is None else signal.SIG_IGN)
+            signal.signal(s, h)
 
 
 # CPU: "DefaultCPUAllocator: can't allocate memory: you tried to allocate 320000000000 bytes";
@@ -151,17 +153,14 @@ def run_guarded(prog: str, command: Callable[[], int]) -> int:
     'interrupted' and 128 + the signal; a UsageError or a failed allocation becomes one line and 2."""
     with stop_signals(prog) as stop:
         try:
-            return command()
+            code = command()
         except BaseException as exc:
             # After a stop signal, whatever unwinds (KeyboardInterrupt, or a rank's death seen first) is the interrupt.
-            if stop.signum is not None or isinstance(exc, KeyboardInterrupt):
-                signum = stop.signum or getattr(exc, "signum", signal.SIGINT)
-                if not stop.reported:
-                    stop.reported = True
-                    print(f"{prog}: interrupted", file=sys.stderr)
-                if stop.signum is not None:
-                    _exit_now(128 + int(signum))
-                return 128 + int(signum)
+            if stop.signum is not None:
+                stop.end()
+            if isinstance(exc, KeyboardInterrupt):  # raised, not signalled (in-process callers)
+                print(f"{prog}: interrupted", file=sys.stderr)
+                return 128 + int(getattr(exc, "signum", signal.SIGINT))
             if isinstance(exc, BrokenPipeError):  # `| head` closed the pipe: stop quietly, as shell tools do
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush must not raise
                 return 128 + int(signal.SIGPIPE)
@@ -173,6 +172,9 @@ def run_guarded(prog: str, command: Callable[[], int]) -> int:
                 raise  # SystemExit from argparse, or a bug: its traceback is the right report
             print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
             return 2
+        if stop.signum is not None:  # the stop exception was swallowed on the way (a finalizer): still an interrupt
+            stop.end()
+        return code
 
 
 def _route(argv: list[str] | None) -> int:

@@ -154,9 +154,13 @@ sys.exit(run_guarded("rl-engine demo", command))
 """
 
 
-def test_a_swallowed_interrupt_still_ends_the_command_in_time():
+RETURNS = SWALLOWS.replace("            pass", "            return 0")  # swallows it, then finishes "normally"
+
+
+@pytest.mark.parametrize("script", [SWALLOWS, RETURNS], ids=["runs-on", "returns"])
+def test_a_swallowed_interrupt_still_ends_the_command_in_time(script):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", SWALLOWS], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
     _wait_for(lambda: _guarded(proc), 60, "the signal guard", proc)
     _stop(proc, signal.SIGINT, group=False, command="demo")
