@@ -6,9 +6,6 @@ import json
 
 import pytest
 
-pytest.importorskip("transformers")
-
-
 
 @pytest.fixture(scope="module")
 def rollout(load_benchmark):

@@ -10,9 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("transformers")
-
-
 
 @pytest.fixture
 def bench(load_benchmark):
