@@ -67,7 +67,8 @@ def optional_import(module: str):
         return None
 
 
-def _version(module: str) -> str:
+def module_version(module: str) -> str:
+    """`module.__version__`, or "unavailable" when it cannot be imported."""
     mod = optional_import(module)
     return getattr(mod, "__version__", "unknown") if mod is not None else "unavailable"
 

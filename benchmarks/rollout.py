@@ -44,7 +44,7 @@ from collections import defaultdict
 from functools import partial
 
 import torch
-from common import hf_qwen3_model, measure, optional_import, print_table, save_plot, write_json
+from common import hf_qwen3_model, measure, module_version, print_table, save_plot, write_json
 
 from rl_engine.models.config import ModelConfig
 from rl_engine.models.decoder import DecoderModel
@@ -431,7 +431,7 @@ def main(argv=None) -> int:
         return {"complete": complete, "model": config.name, "dtype": "bfloat16", "new_tokens": args.new_tokens,
                 "temperature": args.temperature, "profiled_steps": PROFILED_STEPS, "goals": GOALS,
                 "engine": {"chunk_size": setup["chunk_size"], "page_size": setup["page_size"]},
-                "transformers": getattr(optional_import("transformers"), "__version__", "unavailable"),
+                "transformers": module_version("transformers"),
                 "rows": public}
 
     print(f"{config.name} on {device}: cells (context, batch) {cells}, {args.new_tokens} new tokens, "

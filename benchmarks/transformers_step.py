@@ -55,6 +55,7 @@ from common import (
     gemm_ceiling,
     hf_qwen3_model,
     measure,
+    module_version,
     optional_import,
     print_table,
     save_plot,
@@ -314,7 +315,8 @@ def run(args, save) -> dict:
     inputs = {s: make_inputs(config, *shape, device) for s, shape in shapes.items()}
     liger = optional_import("liger_kernel.transformers")
     rows, impls, refs = [], {}, {}
-    payload = {"config": dataclasses.asdict(config), "transformers": _version("transformers"), "profile": args.profile,
+    payload = {"config": dataclasses.asdict(config), "transformers": module_version("transformers"),
+               "profile": args.profile,
                "shapes": {s: {"batch": b, "seq": q, "packed_lengths": ln} for s, (b, q, ln) in shapes.items()},
                "compile_backend": args.compile_backend, "ceilings": {"gemm_8192": gemm}, "implementations": impls,
                "rows": rows}
@@ -336,11 +338,6 @@ def run(args, save) -> dict:
         print(f"  {impl}: {time.perf_counter() - t0:.0f} s", flush=True)
         save(payload)
     return payload
-
-
-def _version(module: str) -> str:
-    mod = optional_import(module)
-    return getattr(mod, "__version__", "unknown") if mod is not None else "unavailable"
 
 
 def _brief(row) -> str:
