@@ -67,11 +67,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return triton_attention(q, k, v, causal=causal, scale=softmax_scale, cu_seqlens=cu_seqlens_q)
 
 
-def _paged_positions(block_table, positions, page):
-    """(page ids, offsets) of cache positions [B,S] in a paged cache."""
-    return torch.gather(block_table.long(), 1, positions // page), positions % page
-
-
 @torch.no_grad()
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
@@ -82,6 +77,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     block_table [B,max_blocks]. Query i of row b sits at position (cached length) - Sq + i, as in
     flash-attn (bottom-right aligned); with Sq > 1 the call must be causal (chunked prefill)."""
     from rl_engine.kernels.ops.triton.attention.kv_cache_attention import triton_kv_cache_attention
+    from rl_engine.rollout.paged_cache import gather_pages, page_slots, write_pages
 
     _refuse_unsupported(0.0, window_size, softcap, alibi_slopes, False)
     for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_leftpad", cache_leftpad)):
@@ -103,21 +99,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if block_table is not None or k is not None:
             raise ValueError("cache_batch_idx: supported only to read a contiguous cache (no block_table, no new k, v)")
         k_cache, v_cache = k_cache[cache_batch_idx.long()], v_cache[cache_batch_idx.long()]
+    slots = None if block_table is None else page_slots(block_table, k_cache.shape[1])
     if k is not None:
         positions = lengths[:, None] + torch.arange(sq, device=q.device)[None, :]  # [B,Sq]
-        if block_table is None:
+        if slots is None:
             rows = torch.arange(b, device=q.device)[:, None].expand_as(positions)
             k_cache[rows, positions] = k
             v_cache[rows, positions] = v
         else:
-            pages, offsets = _paged_positions(block_table, positions, k_cache.shape[1])
-            k_cache[pages, offsets] = k
-            v_cache[pages, offsets] = v
+            write_pages(k_cache, slots, positions, k)
+            write_pages(v_cache, slots, positions, v)
         lengths = lengths + sq
-    if block_table is None:
-        keys, values = k_cache, v_cache
-    else:  # pages -> the contiguous [B, max_blocks * page, Hkv, D] layout the kernel reads
-        idx = block_table.long()
-        keys = k_cache[idx].flatten(1, 2)
-        values = v_cache[idx].flatten(1, 2)
+    # A paged cache is gathered into the contiguous [B, max_blocks * page, Hkv, D] layout the kernel reads.
+    keys, values = (k_cache, v_cache) if slots is None else (gather_pages(k_cache, slots), gather_pages(v_cache, slots))
     return triton_kv_cache_attention(q, keys, values, lengths.to(torch.int32), scale=softmax_scale)
