@@ -55,6 +55,7 @@ LOG2_E = 1.4426950408889634
 # The running max starts finite so that a block masked for a row gives alpha = exp2(0) = 1, not NaN.
 M_INIT = tl.constexpr(-1.0e30)
 NO_WINDOW = 1 << 30
+_NO_WINDOW = tl.constexpr(NO_WINDOW)  # the same, readable inside kernels
 MAX_SEQUENCES = 65535  # the launch grid's third axis
 
 
@@ -130,15 +131,41 @@ def dot_precision(dtype: torch.dtype) -> str:
 # forward
 
 
+@triton.jit
+def _online_softmax_block(q, k, v, m, l, acc, visible, qk_scale, kv_base: tl.constexpr,
+                          MASKED: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One key block of the online softmax. The masked and unmasked calls run the same instructions on
+    a visible score (the mask only replaces invisible scores by -inf), and the scale is applied by an
+    explicit fma in both, so a (row, block) pair gives the same bits whichever loop it falls in: which
+    loop that is depends on the tile, and tiles differ between layouts."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # raw q·k; scaled inside the fma below
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+    # max(x)·c == max(x·c) for c > 0 (rounding is monotonic): the running max is in log2 units.
+    m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+    alpha = tl.math.exp2(m - m_new)
+    p = tl.math.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
+    # p is rounded to the value dtype for the product (tensor-core operands); l sums the same
+    # rounded weights, so that out = Σ p̃·v / Σ p̃ stays a weighted mean of v (halves bf16 error).
+    p_v = cast_rne(p, kv_base)
+    l = l * alpha + tl.sum(p_v.to(tl.float32), 1)
+    if DOT_FP32:
+        p_v = p_v.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = tl.dot(p_v, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l, acc
+
+
 @triton.jit(do_not_specialize=["heads_per_tile", "q_per_tile"])
 def _flash_forward_kernel(
     Q, K, V, O, LSE, SEQ_INFO,
     stride_qr, stride_qh, stride_kr, stride_kh, stride_or, stride_oh, stride_lr,
     qk_scale, group, heads_per_tile, q_per_tile, head_dim,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    # The last query tiles walk the most key blocks under the causal mask: launch them first.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_h = tl.program_id(1)
     info = SEQ_INFO + tl.program_id(2) * 6
     q_row0 = tl.load(info + 0)
@@ -168,40 +195,48 @@ def _flash_forward_kernel(
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
+    first_q = pid_m * q_per_tile
     hi = kv_len
     if CAUSAL:
-        last_q = tl.minimum((pid_m + 1) * q_per_tile, q_count) - 1
+        last_q = tl.minimum(first_q + q_per_tile, q_count) - 1
         hi = tl.minimum(kv_len, q_pos0 + last_q + 1)
-    hi = tl.where(pid_m * q_per_tile < q_count, hi, 0)  # a tile past the sequence's queries: no work
+    hi = tl.where(first_q < q_count, hi, 0)  # a tile past the sequence's queries: no work
     # Blocks stay aligned to the first key; only windowed (padding) rows skip the leading ones.
-    lo = (tl.maximum(q_pos0 + pid_m * q_per_tile - window + 1, 0) // BLOCK_N) * BLOCK_N
+    lo = (tl.maximum(q_pos0 + first_q - window + 1, 0) // BLOCK_N) * BLOCK_N
+    # [lo, mid): blocks every query of the tile sees whole (no mask); [mid, hi): the rest, masked.
+    mid = kv_len
+    if CAUSAL:
+        mid = tl.minimum(mid, q_pos0 + first_q + 1)
+    mid = tl.where(window == _NO_WINDOW, lo + tl.maximum(mid - lo, 0) // BLOCK_N * BLOCK_N, lo)
+    mid = tl.minimum(mid, hi)
     kv_base = K.dtype.element_ty
-    for start_n in range(lo, hi, BLOCK_N):
-        k_pos = start_n + tl.arange(0, BLOCK_N)
-        k_ok = k_pos < kv_len
-        k_off = (k_row0 + k_pos).to(tl.int64) * stride_kr + kv_head * stride_kh
-        kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    k_col = kv_head * stride_kh + d[None, :]
+    for start_n in range(lo, mid, BLOCK_N):
+        k_off = (k_row0 + start_n + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_kr
+        if EVEN_D:
+            k = tl.load(K + k_off[:, None] + k_col)
+            v = tl.load(V + k_off[:, None] + k_col)
+        else:
+            k = tl.load(K + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
+            v = tl.load(V + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
         if DOT_FP32:
             k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        m, l, acc = _online_softmax_block(q, k, v, m, l, acc, None, qk_scale, kv_base,
+                                          False, DOT_FP32, DOT_PRECISION)
+    for start_n in range(mid, hi, BLOCK_N):
+        k_pos = start_n + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < kv_len
+        k_off = (k_row0 + k_pos).to(tl.int64) * stride_kr
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + k_off[:, None] + k_col, mask=kv_mask, other=0.0)
+        v = tl.load(V + k_off[:, None] + k_col, mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
         visible = k_ok[None, :] & (k_pos[None, :] > q_pos[:, None] - window)
         if CAUSAL:
             visible = visible & (k_pos[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.math.exp2(m - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        # p is rounded to the value dtype for the product (tensor-core operands); l sums the same
-        # rounded weights, so that out = Σ p̃·v / Σ p̃ stays a weighted mean of v (halves bf16 error).
-        p_v = cast_rne(p, kv_base)
-        l = l * alpha + tl.sum(p_v.to(tl.float32), 1)
-        if DOT_FP32:
-            p_v = p_v.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = tl.dot(p_v, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m = m_new
+        m, l, acc = _online_softmax_block(q, k, v, m, l, acc, visible, qk_scale, kv_base,
+                                          True, DOT_FP32, DOT_PRECISION)
 
     # A query with no visible key outputs 0, not NaN; a NaN l (inf − inf in the scores) stays NaN, so
     # the lse and the backward's weights of that row are NaN too, as the gold's softmax says.
@@ -244,7 +279,7 @@ def flash_forward(q, k, v, table: SequenceTable, *, causal: bool, scale: float, 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1), lse.stride(0),
         scale * LOG2_E, group, heads_per_tile, q_per_tile, head_dim,
         CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_D=block_d(head_dim), DOT_FP32=dot_fp32(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        BLOCK_D=block_d(head_dim), EVEN_D=block_d(head_dim) == head_dim, DOT_FP32=dot_fp32(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
@@ -270,14 +305,33 @@ def _flash_backward_delta_kernel(
 
 
 @triton.jit
+def _dq_block(q, do, k, v, lse, delta, dq, visible, qk_scale, k_base: tl.constexpr,
+              MASKED: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """dQ += dS·K for one key block; masked and unmasked calls agree bitwise on visible pairs."""
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    p = tl.math.exp2(tl.fma(s, qk_scale, -lse[:, None]))
+    if MASKED:
+        p = tl.where(visible, p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    ds = p * (dp - delta[:, None])
+    ds_k = cast_rne(ds, k_base)
+    if DOT_FP32:
+        ds_k = ds_k.to(tl.float32)
+    return tl.dot(ds_k, k, dq, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _flash_backward_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, SEQ_INFO,
     stride_qr, stride_qh, stride_kr, stride_kh, stride_lr,
     qk_scale, scale, group, head_dim,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) query blocks first
     head = tl.program_id(1)
     info = SEQ_INFO + tl.program_id(2) * 6
     q_row0 = tl.load(info + 0)
@@ -305,35 +359,92 @@ def _flash_backward_dq_kernel(
         do = do.to(tl.float32)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    first_q = pid_m * BLOCK_M
     hi = kv_len
     if CAUSAL:
-        hi = tl.minimum(kv_len, q_pos0 + tl.minimum((pid_m + 1) * BLOCK_M, q_count))
-    hi = tl.where(pid_m * BLOCK_M < q_count, hi, 0)
-    lo = (tl.maximum(q_pos0 + pid_m * BLOCK_M - window + 1, 0) // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(kv_len, q_pos0 + tl.minimum(first_q + BLOCK_M, q_count))
+    hi = tl.where(first_q < q_count, hi, 0)
+    lo = (tl.maximum(q_pos0 + first_q - window + 1, 0) // BLOCK_N) * BLOCK_N
+    # [lo, mid): key blocks every query of the block sees whole, unmasked; [mid, hi): masked.
+    mid = kv_len
+    if CAUSAL:
+        mid = tl.minimum(mid, q_pos0 + first_q + 1)
+    mid = tl.where(window == _NO_WINDOW, lo + tl.maximum(mid - lo, 0) // BLOCK_N * BLOCK_N, lo)
+    mid = tl.minimum(mid, hi)
     k_base = K.dtype.element_ty
-    for start_n in range(lo, hi, BLOCK_N):
+    k_col = kv_head * stride_kh + d[None, :]
+    for start_n in range(lo, mid, BLOCK_N):
+        k_off = (k_row0 + start_n + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_kr
+        if EVEN_D:
+            k = tl.load(K + k_off[:, None] + k_col)
+            v = tl.load(V + k_off[:, None] + k_col)
+        else:
+            k = tl.load(K + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
+            v = tl.load(V + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
+        dq = _dq_block(q, do, k, v, lse, delta, dq, None, qk_scale, k_base, False, DOT_FP32, DOT_PRECISION)
+    for start_n in range(mid, hi, BLOCK_N):
         k_pos = start_n + tl.arange(0, BLOCK_N)
         k_ok = k_pos < kv_len
-        k_off = (k_row0 + k_pos).to(tl.int64) * stride_kr + kv_head * stride_kh
+        k_off = (k_row0 + k_pos).to(tl.int64) * stride_kr
         kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        k = tl.load(K + k_off[:, None] + k_col, mask=kv_mask, other=0.0)
+        v = tl.load(V + k_off[:, None] + k_col, mask=kv_mask, other=0.0)
         visible = k_ok[None, :] & row_ok[:, None] & (k_pos[None, :] > q_pos[:, None] - window)
         if CAUSAL:
             visible = visible & (k_pos[None, :] <= q_pos[:, None])
-        p = tl.where(visible, tl.math.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        ds_k = cast_rne(ds, k_base)
-        if DOT_FP32:
-            ds_k = ds_k.to(tl.float32)
-        dq = tl.dot(ds_k, k, dq, input_precision=DOT_PRECISION)
+        dq = _dq_block(q, do, k, v, lse, delta, dq, visible, qk_scale, k_base, True, DOT_FP32, DOT_PRECISION)
     dq = dq * scale
     tl.store(DQ + q_off[:, None] + d[None, :], cast_rne(dq, DQ.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, q_row0, q_pos0, q_count, start_m, head, k_pos, k_ok,
+                window, d, d_ok, stride_qr, stride_qh, stride_lr, qk_scale, q_base: tl.constexpr,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr,
+                DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """dV += Pᵀ·dO and dK += dSᵀ·Q for one query block; the unmasked call is only made for whole query
+    blocks every one of whose queries sees every key of the block (the masked call agrees bitwise)."""
+    q_idx = start_m + tl.arange(0, BLOCK_M)
+    q_off = (q_row0 + q_idx).to(tl.int64) * stride_qr + head * stride_qh
+    l_off = (q_row0 + q_idx).to(tl.int64) * stride_lr + head
+    if MASKED:
+        row_ok = q_idx < q_count
+        row_mask = row_ok[:, None] & d_ok[None, :]
+        q = tl.load(Q + q_off[:, None] + d[None, :], mask=row_mask, other=0.0)
+        do = tl.load(DO + q_off[:, None] + d[None, :], mask=row_mask, other=0.0)
+        lse = tl.load(LSE + l_off, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + l_off, mask=row_ok, other=0.0)
+    else:
+        if EVEN_D:
+            q = tl.load(Q + q_off[:, None] + d[None, :])
+            do = tl.load(DO + q_off[:, None] + d[None, :])
+        else:
+            q = tl.load(Q + q_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+            do = tl.load(DO + q_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+        lse = tl.load(LSE + l_off)
+        delta = tl.load(DELTA + l_off)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+    p_t = tl.math.exp2(tl.fma(s_t, qk_scale, -lse[None, :]))
+    if MASKED:
+        q_pos = q_pos0 + q_idx
+        visible = k_ok[:, None] & row_ok[None, :] & (k_pos[:, None] > q_pos[None, :] - window)
+        if CAUSAL:
+            visible = visible & (k_pos[:, None] <= q_pos[None, :])
+        p_t = tl.where(visible, p_t, 0.0)
+    p_do = cast_rne(p_t, q_base)
+    if DOT_FP32:
+        p_do = p_do.to(tl.float32)
+    dv = tl.dot(p_do, do, dv, input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])
+    ds_q = cast_rne(ds_t, q_base)
+    if DOT_FP32:
+        ds_q = ds_q.to(tl.float32)
+    dk = tl.dot(ds_q, q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
 
 
 @triton.jit
@@ -342,9 +453,9 @@ def _flash_backward_dkdv_kernel(
     stride_qr, stride_qh, stride_kr, stride_kh, stride_lr,
     qk_scale, scale, group, head_dim,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
+    pid_n = tl.program_id(0)  # under the causal mask the first key blocks do the most work: first
     kv_head = tl.program_id(1)
     info = SEQ_INFO + tl.program_id(2) * 6
     q_row0 = tl.load(info + 0)
@@ -375,38 +486,29 @@ def _flash_backward_dkdv_kernel(
         lo = (tl.maximum(start_n - q_pos0, 0) // BLOCK_M) * BLOCK_M
     hi = tl.where(start_n < kv_len, q_count, 0)
     hi = tl.minimum(hi, start_n + BLOCK_N - 1 + window - q_pos0)  # the window's last query (padding rows)
+    # [lo, mid): masked (the diagonal); [mid, full): whole query blocks that see every key of this
+    # block, unmasked (key rows past kv_len are never stored, so they need no mask); [full, hi): masked.
+    mid = lo
+    if CAUSAL:
+        mid = tl.maximum(lo, lo + tl.cdiv(start_n + BLOCK_N - 1 - q_pos0 - lo, BLOCK_M) * BLOCK_M)
+    full = tl.where(window == _NO_WINDOW, tl.maximum(q_count // BLOCK_M * BLOCK_M, mid), mid)
+    mid = tl.minimum(mid, hi)
+    full = tl.minimum(full, hi)
     q_base = Q.dtype.element_ty
     for g in range(0, group):  # the group's query heads, summed in a fixed order (no atomics)
         head = kv_head * group + g
-        for start_m in range(lo, hi, BLOCK_M):
-            q_idx = start_m + tl.arange(0, BLOCK_M)
-            row_ok = q_idx < q_count
-            q_pos = q_pos0 + q_idx
-            row_mask = row_ok[:, None] & d_ok[None, :]
-            q_off = (q_row0 + q_idx).to(tl.int64) * stride_qr + head * stride_qh
-            q = tl.load(Q + q_off[:, None] + d[None, :], mask=row_mask, other=0.0)
-            do = tl.load(DO + q_off[:, None] + d[None, :], mask=row_mask, other=0.0)
-            l_off = (q_row0 + q_idx).to(tl.int64) * stride_lr + head
-            lse = tl.load(LSE + l_off, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + l_off, mask=row_ok, other=0.0)
-            if DOT_FP32:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
-            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
-            visible = k_ok[:, None] & row_ok[None, :] & (k_pos[:, None] > q_pos[None, :] - window)
-            if CAUSAL:
-                visible = visible & (k_pos[:, None] <= q_pos[None, :])
-            p_t = tl.where(visible, tl.math.exp2(s_t - lse[None, :]), 0.0)
-            p_do = cast_rne(p_t, q_base)
-            if DOT_FP32:
-                p_do = p_do.to(tl.float32)
-            dv = tl.dot(p_do, do, dv, input_precision=DOT_PRECISION)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-            ds_t = p_t * (dp_t - delta[None, :])
-            ds_q = cast_rne(ds_t, q_base)
-            if DOT_FP32:
-                ds_q = ds_q.to(tl.float32)
-            dk = tl.dot(ds_q, q, dk, input_precision=DOT_PRECISION)
+        for start_m in range(lo, mid, BLOCK_M):
+            dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, q_row0, q_pos0, q_count, start_m, head,
+                                 k_pos, k_ok, window, d, d_ok, stride_qr, stride_qh, stride_lr, qk_scale,
+                                 q_base, True, CAUSAL, BLOCK_M, EVEN_D, DOT_FP32, DOT_PRECISION)
+        for start_m in range(mid, full, BLOCK_M):
+            dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, q_row0, q_pos0, q_count, start_m, head,
+                                 k_pos, k_ok, window, d, d_ok, stride_qr, stride_qh, stride_lr, qk_scale,
+                                 q_base, False, CAUSAL, BLOCK_M, EVEN_D, DOT_FP32, DOT_PRECISION)
+        for start_m in range(full, hi, BLOCK_M):
+            dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, q_row0, q_pos0, q_count, start_m, head,
+                                 k_pos, k_ok, window, d, d_ok, stride_qr, stride_qh, stride_lr, qk_scale,
+                                 q_base, True, CAUSAL, BLOCK_M, EVEN_D, DOT_FP32, DOT_PRECISION)
     dk = dk * scale
     tl.store(DK + k_off[:, None] + d[None, :], cast_rne(dk, DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + k_off[:, None] + d[None, :], cast_rne(dv, DV.dtype.element_ty), mask=kv_mask)
@@ -435,7 +537,7 @@ def flash_backward(do, q, k, v, out, lse, table: SequenceTable, *, causal: bool,
         out, do, delta, rows, out.stride(0), out.stride(1), delta.stride(0), head_dim,
         BLOCK_R=DELTA_BLOCK_R, BLOCK_D=padded_d,
     )
-    common = dict(CAUSAL=causal, BLOCK_D=padded_d, DOT_FP32=dot_fp32(q.dtype), DOT_PRECISION=dot_precision(q.dtype))
+    common = dict(CAUSAL=causal, BLOCK_D=padded_d, EVEN_D=padded_d == head_dim, DOT_FP32=dot_fp32(q.dtype), DOT_PRECISION=dot_precision(q.dtype))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0))
     c = cfg.backward_dq
     _flash_backward_dq_kernel[(triton.cdiv(max(table.max_q_count, 1), c.block_m), hq, table.num_sequences)](

@@ -1,0 +1,136 @@
+"""Which tile configuration should attention use? Times candidate tiles on the GPU, one kernel at a time.
+
+    python benchmarks/attention_tiles.py --out benchmarks/results [--head-dims 128,64]
+
+flash.py runs ONE tile configuration per (dtype, head_dim) for every layout (that is what keeps
+prefill, packed, chunked and decode bitwise equal), so the choice is made once, here, offline:
+bf16, causal, 32 query / 8 KV heads (Qwen3-8B), B·S = 16k tokens at S = 4096. For each head_dim the
+forward, the dQ kernel and the dK/dV kernel are timed with each candidate tile while the other two
+keep today's tiles; a candidate that does not compile (shared memory, registers) is recorded as such.
+SDPA's default backend is timed in the same run for scale. The pick is written to the JSON; moving
+it into `attention_config` is a code change that the GPU gate must then pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+
+import torch
+from common import arg_parser, bench_ms, parse_gpu_args, write_json
+
+from rl_engine.kernels.ops.triton.attention import flash
+from rl_engine.kernels.ops.triton.attention.flash import TileConfig
+
+Q_HEADS, KV_HEADS, TOKENS, S = 32, 8, 16384, 4096
+CANDIDATES = {  # (block_m, block_n, num_warps, num_stages)
+    "forward": [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 64, 4, 3),
+                (64, 64, 4, 3), (64, 128, 4, 2), (128, 32, 4, 3)],
+    "backward_dq": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 8, 2),
+                    (128, 128, 8, 2), (64, 32, 4, 3)],
+    "backward_dkdv": [(64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 3), (64, 128, 8, 2), (128, 64, 8, 2),
+                      (128, 128, 8, 2), (32, 64, 4, 3), (64, 128, 4, 2)],
+}
+
+
+def causal_flops(head_dim: int) -> float:
+    batch = TOKENS // S
+    return 4.0 * batch * Q_HEADS * S * S * head_dim / 2
+
+
+def make_inputs(head_dim: int):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = TOKENS
+    q = torch.randn(rows, Q_HEADS, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(rows, KV_HEADS, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(rows, KV_HEADS, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    do = torch.randn_like(q)
+    batch = TOKENS // S
+    starts = torch.arange(batch, device="cuda", dtype=torch.int32) * S
+    count = torch.full_like(starts, S)
+    table = flash.sequence_table(starts, count, torch.zeros_like(starts), starts, count,
+                                 max_q_count=S, max_kv_len=S)
+    return q, k, v, do, table
+
+
+def time_kernel(kind: str, tile: TileConfig, base: flash.AttentionConfig, inputs, scale: float) -> dict:
+    q, k, v, do, table = inputs
+    cfg = dataclasses.replace(base, **{kind: tile})
+    original = flash.attention_config
+    flash.attention_config = lambda dtype, head_dim: cfg
+    try:
+        out, lse = flash.flash_forward(q, k, v, table, causal=True, scale=scale)
+        if kind == "forward":
+            fn = lambda: flash.flash_forward(q, k, v, table, causal=True, scale=scale)  # noqa: E731
+        else:
+            fn = lambda: flash.flash_backward(do, q, k, v, out, lse, table, causal=True, scale=scale)  # noqa: E731
+        fn()
+        torch.cuda.synchronize()
+        return {"ms": bench_ms(fn)}
+    except Exception as exc:  # a tile that does not fit is a result, not a crash of the sweep
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+    finally:
+        flash.attention_config = original
+
+
+def sdpa_ms(inputs, backward: bool) -> float:
+    q, k, v, do, _ = inputs
+    batch = TOKENS // S
+    qt, kt, vt = (t.view(batch, S, t.shape[1], t.shape[2]).transpose(1, 2).detach().requires_grad_(backward)
+                  for t in (q, k, v))
+    dot = do.view(batch, S, Q_HEADS, -1).transpose(1, 2)
+
+    def step():
+        out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+        if backward:
+            out.backward(dot)
+        return out
+
+    return bench_ms(step)
+
+
+def sweep(head_dim: int) -> dict:
+    inputs = make_inputs(head_dim)
+    scale = head_dim ** -0.5
+    base = flash.attention_config(torch.bfloat16, head_dim)
+    result = {"head_dim": head_dim, "today": dataclasses.asdict(base), "kernels": {}}
+    fwd_flops = causal_flops(head_dim)
+    bwd_flops = 2.5 * fwd_flops
+    for kind, candidates in CANDIDATES.items():
+        rows = []
+        for bm, bn, warps, stages in candidates:
+            t0 = time.perf_counter()
+            row = {"tile": [bm, bn, warps, stages], **time_kernel(kind, TileConfig(bm, bn, warps, stages), base,
+                                                                 inputs, scale)}
+            if "ms" in row:
+                flops = fwd_flops if kind == "forward" else bwd_flops
+                row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
+            rows.append(row)
+            print(f"hd {head_dim} {kind:14s} {str(row['tile']):18s} "
+                  + (f"{row['ms']:.3f} ms {row['tflops']:.0f} TFLOP/s" if "ms" in row else row["error"])
+                  + f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
+        timed = [r for r in rows if "ms" in r]
+        result["kernels"][kind] = {"rows": rows, "best": min(timed, key=lambda r: r["ms"])["tile"] if timed else None}
+    fwd = sdpa_ms(inputs, backward=False)
+    both = sdpa_ms(inputs, backward=True)
+    result["sdpa_default"] = {"forward_ms": fwd, "forward_tflops": fwd_flops / (fwd * 1e-3) / 1e12,
+                              "forward+backward_ms": both}
+    print(f"hd {head_dim} sdpa default: forward {fwd:.3f} ms, forward+backward {both:.3f} ms", flush=True)
+    return result
+
+
+def main() -> int:
+    parser = arg_parser(__doc__)
+    parser.add_argument("--head-dims", default="128,64", help="comma-separated head sizes (default 128,64)")
+    args = parse_gpu_args(parser)
+    report = {"shape": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "tokens": TOKENS, "S": S, "dtype": "bfloat16"},
+              "sweeps": [sweep(int(h)) for h in args.head_dims.split(",")]}
+    write_json(args.out, "attention_tiles", report)
+    print(json.dumps({s["head_dim"]: {k: v["best"] for k, v in s["kernels"].items()} for s in report["sweeps"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
