@@ -15,6 +15,11 @@ table of sequences, one int32 row per sequence (`SequenceTable`):
 Keys are walked in blocks [n·BLOCK_N, (n+1)·BLOCK_N) counted from the sequence's first key, so a
 token meets the same keys in the same blocks in the same order whatever the layout: a full prefill,
 a left/right-padded batch, a packed batch, one chunk of a chunked prefill, or a decode step.
+Key blocks that every query of a tile sees whole (below the tile's diagonal, inside kv_len) run
+without masks; the others are masked. Both kinds of block run the same instructions on a visible
+score (the scale goes in through an explicit fma, never a contraction the compiler may or may not
+make), so a (query, block) pair gives the same bits whichever kind its tile makes it. fp32 skips
+the split (SPLIT=False): it doubles the compile time of kernels whose speed matters less.
 The online softmax keeps (m, l, acc) in fp32; a key block entirely masked for a query row leaves
 that row's (m, l, acc) bitwise unchanged (alpha = exp2(0) = 1, p = 0, acc + 0·v = acc), so the
 extra blocks a tile walks for its other rows never change a row's bits. A row of a `tl.dot` result
@@ -87,10 +92,12 @@ def attention_config(dtype: torch.dtype, head_dim: int) -> AttentionConfig:
         return AttentionConfig(TileConfig(64, 32, 4, 2), small, small)
     if dtype == torch.float32 or head_dim > 128:
         return AttentionConfig(TileConfig(64, 32, 4, 2), TileConfig(64, 32, 4, 2), TileConfig(32, 64, 4, 2))
+    # bf16/fp16, head_dim 33…128: chosen on the H200 by benchmarks/attention_tiles.py (2026-11-30,
+    # benchmarks/results/attention_tiles.json); dQ tiles made no measurable difference.
     return AttentionConfig(
-        forward=TileConfig(128, 64, 8, 2),
+        forward=TileConfig(64, 64, 4, 3),
         backward_dq=TileConfig(64, 64, 4, 2),
-        backward_dkdv=TileConfig(64, 64, 8, 2),
+        backward_dkdv=TileConfig(64, 64, 4, 2) if head_dim <= 64 else TileConfig(32, 64, 4, 3),
     )
 
 
@@ -162,7 +169,7 @@ def _flash_forward_kernel(
     stride_qr, stride_qh, stride_kr, stride_kh, stride_or, stride_oh, stride_lr,
     qk_scale, group, heads_per_tile, q_per_tile, head_dim,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # The last query tiles walk the most key blocks under the causal mask: launch them first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -209,20 +216,23 @@ def _flash_forward_kernel(
         mid = tl.minimum(mid, q_pos0 + first_q + 1)
     mid = tl.where(window == _NO_WINDOW, lo + tl.maximum(mid - lo, 0) // BLOCK_N * BLOCK_N, lo)
     mid = tl.minimum(mid, hi)
+    if not SPLIT:
+        mid = lo
     kv_base = K.dtype.element_ty
     k_col = kv_head * stride_kh + d[None, :]
-    for start_n in range(lo, mid, BLOCK_N):
-        k_off = (k_row0 + start_n + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_kr
-        if EVEN_D:
-            k = tl.load(K + k_off[:, None] + k_col)
-            v = tl.load(V + k_off[:, None] + k_col)
-        else:
-            k = tl.load(K + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
-            v = tl.load(V + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-        m, l, acc = _online_softmax_block(q, k, v, m, l, acc, None, qk_scale, kv_base,
-                                          False, DOT_FP32, DOT_PRECISION)
+    if SPLIT:  # fp32 skips the split: its speed matters less than its compile time
+        for start_n in range(lo, mid, BLOCK_N):
+            k_off = (k_row0 + start_n + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_kr
+            if EVEN_D:
+                k = tl.load(K + k_off[:, None] + k_col)
+                v = tl.load(V + k_off[:, None] + k_col)
+            else:
+                k = tl.load(K + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
+                v = tl.load(V + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
+            if DOT_FP32:
+                k = k.to(tl.float32)
+            m, l, acc = _online_softmax_block(q, k, v, m, l, acc, None, qk_scale, kv_base,
+                                              False, DOT_FP32, DOT_PRECISION)
     for start_n in range(mid, hi, BLOCK_N):
         k_pos = start_n + tl.arange(0, BLOCK_N)
         k_ok = k_pos < kv_len
@@ -279,7 +289,8 @@ def flash_forward(q, k, v, table: SequenceTable, *, causal: bool, scale: float, 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1), lse.stride(0),
         scale * LOG2_E, group, heads_per_tile, q_per_tile, head_dim,
         CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_D=block_d(head_dim), EVEN_D=block_d(head_dim) == head_dim, DOT_FP32=dot_fp32(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        BLOCK_D=block_d(head_dim), EVEN_D=block_d(head_dim) == head_dim,
+        SPLIT=q.dtype != torch.float32, DOT_FP32=dot_fp32(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
@@ -329,7 +340,7 @@ def _flash_backward_dq_kernel(
     stride_qr, stride_qh, stride_kr, stride_kh, stride_lr,
     qk_scale, scale, group, head_dim,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) query blocks first
     head = tl.program_id(1)
@@ -371,17 +382,20 @@ def _flash_backward_dq_kernel(
         mid = tl.minimum(mid, q_pos0 + first_q + 1)
     mid = tl.where(window == _NO_WINDOW, lo + tl.maximum(mid - lo, 0) // BLOCK_N * BLOCK_N, lo)
     mid = tl.minimum(mid, hi)
+    if not SPLIT:
+        mid = lo
     k_base = K.dtype.element_ty
     k_col = kv_head * stride_kh + d[None, :]
-    for start_n in range(lo, mid, BLOCK_N):
-        k_off = (k_row0 + start_n + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_kr
-        if EVEN_D:
-            k = tl.load(K + k_off[:, None] + k_col)
-            v = tl.load(V + k_off[:, None] + k_col)
-        else:
-            k = tl.load(K + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
-            v = tl.load(V + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
-        dq = _dq_block(q, do, k, v, lse, delta, dq, None, qk_scale, k_base, False, DOT_FP32, DOT_PRECISION)
+    if SPLIT:
+        for start_n in range(lo, mid, BLOCK_N):
+            k_off = (k_row0 + start_n + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_kr
+            if EVEN_D:
+                k = tl.load(K + k_off[:, None] + k_col)
+                v = tl.load(V + k_off[:, None] + k_col)
+            else:
+                k = tl.load(K + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
+                v = tl.load(V + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
+            dq = _dq_block(q, do, k, v, lse, delta, dq, None, qk_scale, k_base, False, DOT_FP32, DOT_PRECISION)
     for start_n in range(mid, hi, BLOCK_N):
         k_pos = start_n + tl.arange(0, BLOCK_N)
         k_ok = k_pos < kv_len
@@ -453,7 +467,7 @@ def _flash_backward_dkdv_kernel(
     stride_qr, stride_qh, stride_kr, stride_kh, stride_lr,
     qk_scale, scale, group, head_dim,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)  # under the causal mask the first key blocks do the most work: first
     kv_head = tl.program_id(1)
@@ -494,17 +508,20 @@ def _flash_backward_dkdv_kernel(
     full = tl.where(window == _NO_WINDOW, tl.maximum(q_count // BLOCK_M * BLOCK_M, mid), mid)
     mid = tl.minimum(mid, hi)
     full = tl.minimum(full, hi)
+    if not SPLIT:  # one masked loop over [lo, hi)
+        full = lo
     q_base = Q.dtype.element_ty
     for g in range(0, group):  # the group's query heads, summed in a fixed order (no atomics)
         head = kv_head * group + g
-        for start_m in range(lo, mid, BLOCK_M):
-            dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, q_row0, q_pos0, q_count, start_m, head,
-                                 k_pos, k_ok, window, d, d_ok, stride_qr, stride_qh, stride_lr, qk_scale,
-                                 q_base, True, CAUSAL, BLOCK_M, EVEN_D, DOT_FP32, DOT_PRECISION)
-        for start_m in range(mid, full, BLOCK_M):
-            dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, q_row0, q_pos0, q_count, start_m, head,
-                                 k_pos, k_ok, window, d, d_ok, stride_qr, stride_qh, stride_lr, qk_scale,
-                                 q_base, False, CAUSAL, BLOCK_M, EVEN_D, DOT_FP32, DOT_PRECISION)
+        if SPLIT:  # [lo, mid) masked, [mid, full) unmasked
+            for start_m in range(lo, mid, BLOCK_M):
+                dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, q_row0, q_pos0, q_count, start_m, head,
+                                     k_pos, k_ok, window, d, d_ok, stride_qr, stride_qh, stride_lr, qk_scale,
+                                     q_base, True, CAUSAL, BLOCK_M, EVEN_D, DOT_FP32, DOT_PRECISION)
+            for start_m in range(mid, full, BLOCK_M):
+                dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, q_row0, q_pos0, q_count, start_m, head,
+                                     k_pos, k_ok, window, d, d_ok, stride_qr, stride_qh, stride_lr, qk_scale,
+                                     q_base, False, CAUSAL, BLOCK_M, EVEN_D, DOT_FP32, DOT_PRECISION)
         for start_m in range(full, hi, BLOCK_M):
             dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, q_row0, q_pos0, q_count, start_m, head,
                                  k_pos, k_ok, window, d, d_ok, stride_qr, stride_qh, stride_lr, qk_scale,
@@ -537,7 +554,8 @@ def flash_backward(do, q, k, v, out, lse, table: SequenceTable, *, causal: bool,
         out, do, delta, rows, out.stride(0), out.stride(1), delta.stride(0), head_dim,
         BLOCK_R=DELTA_BLOCK_R, BLOCK_D=padded_d,
     )
-    common = dict(CAUSAL=causal, BLOCK_D=padded_d, EVEN_D=padded_d == head_dim, DOT_FP32=dot_fp32(q.dtype), DOT_PRECISION=dot_precision(q.dtype))
+    common = dict(CAUSAL=causal, BLOCK_D=padded_d, EVEN_D=padded_d == head_dim, SPLIT=q.dtype != torch.float32,
+                  DOT_FP32=dot_fp32(q.dtype), DOT_PRECISION=dot_precision(q.dtype))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0))
     c = cfg.backward_dq
     _flash_backward_dq_kernel[(triton.cdiv(max(table.max_q_count, 1), c.block_m), hq, table.num_sequences)](
