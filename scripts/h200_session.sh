@@ -39,8 +39,10 @@ run_stage() {
       stage "$1" 360 python3 benchmarks/mhc.py --out "$R/bench" ;;
     bench-mhc-quick)
       stage "$1" 240 python3 benchmarks/mhc.py --out "$R/bench" --quick ;;
-    bench-*)
-      stage "$1" 150 python3 "benchmarks/${1#bench-}.py" --out "$R/bench" ;;
+    bench-*)  # bench-NAME or bench-NAME:ARG,ARG (e.g. bench-rollout:--contexts,1024,--budget-s,480)
+      local spec=${1#bench-} name args
+      name=${spec%%:*}; args=""; [ "$spec" != "$name" ] && args=${spec#*:}
+      stage "$1" 570 python3 "benchmarks/$name.py" --out "$R/bench" ${args//,/ } ;;
     mhc)
       stage mhc-cuda-check 300 python3 scripts/mhc_cuda_check.py --out "$R/evidence" ;;
     tp)

@@ -78,11 +78,11 @@ def check_case(provider, case: Case, device, golden: dict | None, batch_invarian
     judgment, why_not = resolve_judgment(provider)
     contract, batch, controller, norm = build_inputs(case, device)
     result = {"case": case.name, "tokens": case.tokens, "hidden": case.hidden,
-              "contract_fingerprint": contract.fingerprint(), "passed": False, "failures": []}
+              "layer_contract_fingerprint": contract.fingerprint(), "passed": False, "failures": []}
     failures = result["failures"]
     if golden is None:
         failures.append("case missing from the golden manifest")
-    elif golden["contract_fingerprint"] != contract.fingerprint():
+    elif golden["layer_contract_fingerprint"] != contract.fingerprint():
         failures.append("golden manifest was made under another contract (fingerprint differs)")
     if judgment is None:
         failures.append(f"judgment: {why_not}")

@@ -88,7 +88,7 @@ def oracle_trace(case: Case, device="cpu") -> dict[str, torch.Tensor]:
 
 def golden_row(case: Case, trace: dict[str, torch.Tensor]) -> dict:
     return {
-        "contract_fingerprint": case.contract().fingerprint(),
+        "layer_contract_fingerprint": case.contract().fingerprint(),
         "tokens": case.tokens, "hidden": case.hidden, "seed": case.seed,
         "boundaries": {name: describe(t) for name, t in trace.items()},
     }
@@ -115,9 +115,10 @@ def load_golden(path: Path = GOLDEN_PATH) -> dict:
     for name, row in cases.items():
         row = row if isinstance(row, dict) else {}
         boundaries = row.get("boundaries")
-        if not (isinstance(row.get("contract_fingerprint"), str) and isinstance(boundaries, dict)
+        if not (isinstance(row.get("layer_contract_fingerprint"), str) and isinstance(boundaries, dict)
                 and all(isinstance(b, dict) and isinstance(b.get("sha256"), str) for b in boundaries.values())):
-            raise UsageError(f"{where}: case {name!r} needs a contract_fingerprint and boundaries with a sha256 each")
+            raise UsageError(f"{where}: case {name!r} needs a layer_contract_fingerprint and boundaries with a "
+                             "sha256 each")
     return manifest
 
 
@@ -134,7 +135,8 @@ def row_differences(expected: dict | None, actual: dict) -> list[str]:
     """Names of what differs between a stored golden row and a fresh one ([] when they agree)."""
     if expected is None:
         return ["<case missing from manifest>"]
-    diffs = [key for key in ("contract_fingerprint", "tokens", "hidden", "seed") if expected.get(key) != actual[key]]
+    keys = ("layer_contract_fingerprint", "tokens", "hidden", "seed")
+    diffs = [key for key in keys if expected.get(key) != actual[key]]
     want, got = expected.get("boundaries", {}), actual["boundaries"]
     diffs += [name for name in sorted(set(want) | set(got)) if want.get(name) != got.get(name)]
     return diffs

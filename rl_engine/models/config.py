@@ -45,6 +45,36 @@ def _positive_number(name, value):
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A sparse MLP block: a router picks `top_k` of `num_experts` gated MLPs for each token.
+
+    Layer i is sparse unless it is in `dense_layers` or (i + 1) is not a multiple of `sparse_step`
+    (transformers' `mlp_only_layers` and `decoder_sparse_step`); a dense layer runs the dense MLP of
+    width `intermediate_size`. `norm_topk_prob` renormalises the k chosen probabilities to sum to 1.
+    """
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool
+    sparse_step: int = 1
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for field in ("num_experts", "top_k", "expert_intermediate_size", "sparse_step"):
+            _positive_int(f"moe.{field}", getattr(self, field))
+        if self.top_k > self.num_experts:
+            raise ValueError(f"moe.top_k: expected at most num_experts ({self.num_experts}), got {self.top_k}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ValueError(f"moe.norm_topk_prob: expected true or false, got {self.norm_topk_prob!r}")
+        layers = self.dense_layers
+        indices = isinstance(layers, tuple) and all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
+        ok = indices and all(i >= 0 for i in layers)
+        if not ok or list(layers) != sorted(set(layers)):
+            raise ValueError(f"moe.dense_layers: expected sorted distinct layer indices, got {layers!r}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     name: str
     family: str  # a Family name (rl_engine/models/families/<family>.py)
@@ -59,6 +89,7 @@ class ModelConfig:
     rope_theta: float = 1e6
     tie_word_embeddings: bool = False  # lm_head is the embedding matrix (the same tensor)
     rope_scaling: RopeScaling | None = None
+    moe: MoeConfig | None = None  # the sparse MLP block, for families whose recipe has one
 
     def __post_init__(self):
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -74,9 +105,16 @@ class ModelConfig:
         if not isinstance(self.tie_word_embeddings, bool):
             raise ValueError(f"tie_word_embeddings: expected true or false, got {self.tie_word_embeddings!r}")
 
+    def sparse_layer(self, layer: int) -> bool:
+        """Whether layer `layer` runs the sparse (MoE) MLP block."""
+        m = self.moe
+        return m is not None and layer not in m.dense_layers and (layer + 1) % m.sparse_step == 0
+
     def fingerprint(self) -> str:
-        """sha256 of the architecture (every field but the name), canonical JSON."""
-        fields = {k: v for k, v in asdict(self).items() if k != "name"}
+        """sha256 of the architecture (every field but the name), canonical JSON.
+
+        `moe` enters only when set, so the fingerprints pinned before it existed stay valid."""
+        fields = {k: v for k, v in asdict(self).items() if k != "name" and not (k == "moe" and v is None)}
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
     def with_layers(self, num_layers: int) -> ModelConfig:
@@ -111,6 +149,12 @@ LLAMA_LAYOUT_NAMES = {
 }
 LAYER_ROLES = ("input_norm", "q_proj", "k_proj", "v_proj", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm",
                "o_proj", "post_norm", "gate_proj", "up_proj", "down_proj")
+# The roles of a sparse layer's MLP, in place of gate/up/down_proj: the router and, per expert
+# ("{j}" in the name), its gated MLP.
+DENSE_MLP_ROLES = ("gate_proj", "up_proj", "down_proj")
+EXPERT_ROLES = ("expert_gate_proj", "expert_up_proj", "expert_down_proj")
+MOE_ROLES = ("router",) + EXPERT_ROLES
+MLP_KINDS = ("dense", "moe")
 
 
 @dataclass(frozen=True)
@@ -118,7 +162,8 @@ class Family:
     """A decoder family: its Hugging Face names and fields, and the recipe of its block.
 
     Every family computes embedding -> L x [RMSNorm -> q/k/v proj (+ bias) -> (per-head q/k RMSNorm)
-    -> RoPE -> grouped-query attention -> o proj -> residual -> RMSNorm -> SwiGLU MLP -> residual]
+    -> RoPE -> grouped-query attention -> o proj -> residual -> RMSNorm -> SwiGLU MLP (or, in the
+    sparse layers of an `mlp="moe"` family, a router and top-k SwiGLU experts) -> residual]
     -> final RMSNorm -> lm_head (or the embedding matrix, tied).
     """
 
@@ -132,28 +177,38 @@ class Family:
     hf_math_fields: dict  # config.json field -> (default, check(value, config), why): see hf_fields.py
     hf_inert_fields: dict  # config.json field -> why it cannot change the logprobs
     configs: tuple  # the named ModelConfigs of this family
+    mlp: str = "dense"  # one of MLP_KINDS: "moe" layers run a MoeConfig's sparse block (rl_engine/models/moe.py)
 
     def __post_init__(self):
         if self.rope_scaling not in ROPE_SCALING_KINDS:
             raise ValueError(f"{self.name}: rope_scaling must be one of {ROPE_SCALING_KINDS}")
+        if self.mlp not in MLP_KINDS:
+            raise ValueError(f"{self.name}: mlp must be one of {MLP_KINDS}")
         if set(self.hf_math_fields) & set(self.hf_inert_fields):
             raise ValueError(f"{self.name}: a field is both math and inert")
         for config in self.configs:
             self.check(config)
 
-    def roles(self, config: ModelConfig) -> tuple[str, ...]:
-        """The layer roles this recipe uses."""
+    def roles(self, config: ModelConfig, layer: int | None = None) -> tuple[str, ...]:
+        """The roles this recipe uses in layer `layer` (None: a dense layer)."""
         skip = set()
+        if layer is not None and config.sparse_layer(layer):
+            skip |= set(DENSE_MLP_ROLES)
+        else:
+            skip |= set(MOE_ROLES)
         if not self.qk_norm:
             skip |= {"q_norm", "k_norm"}
         if not self.qkv_bias:
             skip |= {"q_bias", "k_bias", "v_bias"}
-        return tuple(r for r in LAYER_ROLES if r not in skip)
+        return tuple(r for r in LAYER_ROLES + MOE_ROLES if r not in skip)
 
     def check(self, config: ModelConfig) -> None:
         """Raise ValueError when `config` asks for something this family does not compute."""
         if config.family != self.name:
             raise ValueError(f"{config.name}: family {config.family!r} is not {self.name!r}")
+        if (config.moe is not None) != (self.mlp == "moe"):
+            raise ValueError(f"{config.name}: the {self.name} family's MLP is {self.mlp}: "
+                             + ("it needs a moe config" if self.mlp == "moe" else "it has no moe config"))
         if config.tie_word_embeddings and not self.tied_embeddings:
             raise ValueError(f"{config.name}: the {self.name} family has no tied embeddings")
         scaled = "none" if config.rope_scaling is None else config.rope_scaling.rope_type

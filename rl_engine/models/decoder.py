@@ -2,8 +2,10 @@
 
 embedding -> L x [RMSNorm -> q/k/v proj (+ bias) -> (per-head q/k RMSNorm) -> RoPE -> grouped-query
 attention -> o proj -> residual -> RMSNorm -> gate/up proj -> SwiGLU -> down proj -> residual]
--> final RMSNorm -> lm_head, or the embedding matrix itself when tied. Weights are keyed by their
-Hugging Face names (the family's `hf_names`); node names are rl_engine's and the same for every family.
+-> final RMSNorm -> lm_head, or the embedding matrix itself when tied. A sparse layer of an MoE
+family runs rl_engine.models.moe.moe_block in place of the dense MLP (router + top-k experts).
+Weights are keyed by their Hugging Face names (the family's `hf_names`); node names are rl_engine's
+and the same for every family.
 
 Every node calls its op through a `ProfileOps` (rl_engine.models.profiles), which picks the backend
 and records what ran. Residual adds, q/k/v bias adds and reshapes are plain tensor ops in the
@@ -34,6 +36,7 @@ import torch
 
 from rl_engine.models.config import ModelConfig
 from rl_engine.models.families import get_family
+from rl_engine.models.moe import local_experts, moe_block
 from rl_engine.models.profiles import ProfileOps
 
 
@@ -96,12 +99,12 @@ class DecoderModel:
         if inv_freq is not None:
             self.rope_params["inv_freq"] = inv_freq.to(device)
 
-    def name(self, role: str, layer: int | None = None) -> str:
-        """The HF tensor name of a role (of layer `layer`)."""
-        return self.family.hf_names[role].format(i=layer)
+    def name(self, role: str, layer: int | None = None, expert: int | None = None) -> str:
+        """The HF tensor name of a role (of layer `layer`, expert `expert`)."""
+        return self.family.hf_names[role].format(i=layer, j=expert)
 
-    def _weight(self, role, layer=None):
-        return self.w[self.name(role, layer)]
+    def _weight(self, role, layer=None, expert=None):
+        return self.w[self.name(role, layer, expert)]
 
     # -- node names -----------------------------------------------------------------------------
     def required_nodes(self) -> list[str]:
@@ -112,11 +115,18 @@ class DecoderModel:
             p = f"model.layers.{i}"
             nodes += [f"{p}.input_layernorm", f"{p}.post_attention_layernorm"]
             nodes += [f"{p}.self_attn.{n}" for n in attn + ("q_rope", "k_rope", "attention", "o_proj")]
-            nodes += [f"{p}.mlp.{n}" for n in ("gate_proj", "up_proj", "swiglu", "down_proj")]
+            # A sparse layer always runs its router; an expert runs only when some token chose it.
+            mlp = ("gate",) if self.config.sparse_layer(i) else ("gate_proj", "up_proj", "swiglu", "down_proj")
+            nodes += [f"{p}.mlp.{n}" for n in mlp]
         return nodes + ["model.norm", "logp"]
 
     def known_nodes(self) -> list[str]:
-        return self.required_nodes() + ["lm_head"]
+        experts = [
+            f"model.layers.{i}.mlp.experts.{j}.{n}"
+            for i in range(self.config.num_layers) if self.config.sparse_layer(i)
+            for j in range(self.config.moe.num_experts) for n in ("gate_proj", "up_proj", "swiglu", "down_proj")
+        ]
+        return self.required_nodes() + experts + ["lm_head"]
 
     # -- pieces ---------------------------------------------------------------------------------
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -153,6 +163,10 @@ class DecoderModel:
         a = attend(i, f"{p}.self_attn.attention", q, k, v).reshape(b, s, c.num_heads * c.head_dim)
         h = h + self._linear(f"{p}.self_attn.o_proj", a, "o_proj", i)
         x = self._norm(f"{p}.post_attention_layernorm", h, "post_norm", i)
+        if c.sparse_layer(i):
+            experts = local_experts(self.ops, f"{p}.mlp", lambda j: tuple(
+                self._weight(role, i, j) for role in ("expert_gate_proj", "expert_up_proj", "expert_down_proj")))
+            return h + moe_block(self.ops, f"{p}.mlp", x, self._weight("router", i), c.moe, experts)
         gate = self._linear(f"{p}.mlp.gate_proj", x, "gate_proj", i)
         up = self._linear(f"{p}.mlp.up_proj", x, "up_proj", i)
         m = self.ops("swiglu", f"{p}.mlp.swiglu", gate=gate, up=up)

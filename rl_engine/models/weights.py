@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from rl_engine.models.config import ModelConfig, RopeScaling
+from rl_engine.models.config import ModelConfig, MoeConfig, RopeScaling
 from rl_engine.models.families import family_for_model_type, get_family
 from rl_engine.models.hf_fields import LLAMA3_KEYS, REQUIRED
 
@@ -50,10 +50,18 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "up_proj": (c.intermediate_size, c.hidden_size),
         "down_proj": (c.hidden_size, c.intermediate_size),
     }
+    experts = c.moe.num_experts if c.moe is not None else 0
+    if c.moe is not None:
+        e, moe_i = experts, c.moe.expert_intermediate_size
+        layer.update({"router": (e, c.hidden_size), "expert_gate_proj": (moe_i, c.hidden_size),
+                      "expert_up_proj": (moe_i, c.hidden_size), "expert_down_proj": (c.hidden_size, moe_i)})
     names = family.hf_names
     shapes = {names["embed"]: (c.vocab_size, c.hidden_size)}
     for i in range(c.num_layers):
-        shapes.update({names[role].format(i=i): layer[role] for role in family.roles(config)})
+        for role in family.roles(config, i):
+            # "{j}": one tensor per expert, in expert order.
+            for j in range(experts) if "{j}" in names[role] else (None,):
+                shapes[names[role].format(i=i, j=j)] = layer[role]
     shapes[names["final_norm"]] = (c.hidden_size,)
     if not c.tie_word_embeddings:
         shapes[names["lm_head"]] = (c.vocab_size, c.hidden_size)
@@ -130,6 +138,11 @@ def _normalised(hf: dict) -> dict:
     rope = hf.get("rope_parameters")
     if "rope_theta" not in hf and isinstance(rope, dict) and "rope_theta" in rope:
         hf["rope_theta"] = rope["rope_theta"]
+    # transformers >= 5 writes num_experts (Qwen3-MoE's name) as num_local_experts.
+    if "num_experts" not in hf and "num_local_experts" in hf:
+        hf["num_experts"] = hf["num_local_experts"]
+    elif "num_local_experts" not in hf and "num_experts" in hf:
+        hf["num_local_experts"] = hf["num_experts"]
     return hf
 
 
@@ -201,12 +214,26 @@ def config_from_hf(hf, name: str, source: str = "config.json") -> ModelConfig:
             rope_theta=_number(get("rope_theta")),
             tie_word_embeddings=get("tie_word_embeddings"),
             rope_scaling=scaling,
+            moe=_moe_from_hf(get) if family.mlp == "moe" else None,
         )
         family.check(config)
     except (TypeError, ValueError, ZeroDivisionError) as exc:
         raise CheckpointError(f"{source}: not loadable as {family.name}: {_one_line(exc)}") from None
     check_hf_config(hf, config, source)
     return config
+
+
+def _moe_from_hf(get) -> MoeConfig:
+    dense = get("mlp_only_layers")
+    return MoeConfig(
+        num_experts=get("num_experts"),
+        top_k=get("num_experts_per_tok"),
+        expert_intermediate_size=get("moe_intermediate_size"),
+        norm_topk_prob=get("norm_topk_prob"),
+        sparse_step=get("decoder_sparse_step"),
+        # transformers reads null as [] and only asks `i in mlp_only_layers`: order and repeats do not matter.
+        dense_layers=() if dense is None else tuple(sorted(set(dense))) if isinstance(dense, list) else dense,
+    )
 
 
 def _one_line(exc: Exception) -> str:

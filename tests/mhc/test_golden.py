@@ -14,7 +14,7 @@ from rl_engine.mhc.trace import BOUNDARY_NAMES, boundaries_for, tensor_sha256
 @pytest.mark.parametrize("case", fixtures.CASES, ids=lambda c: c.name)
 def test_oracle_matches_the_committed_golden_hashes(case):
     golden = fixtures.load_golden()["cases"][case.name]
-    assert golden["contract_fingerprint"] == case.contract().fingerprint()
+    assert golden["layer_contract_fingerprint"] == case.contract().fingerprint()
     trace = fixtures.oracle_trace(case)
     assert list(trace) == [b.name for b in boundaries_for(case.contract())]
     assert set(trace) <= set(BOUNDARY_NAMES)

@@ -277,6 +277,19 @@ def _logp_backward(ctx, grad_logp: torch.Tensor, _grad_lse):
 logp_op.register_autograd(_logp_backward, setup_context=_logp_setup_context)
 
 
+def row_logsumexp(rows: torch.Tensor) -> torch.Tensor:
+    """fp32 logsumexp of each row of `rows` [N,V]: the forward kernel's own lse (batch invariant)."""
+    rows = _rows(rows)
+    n, vocab = rows.shape
+    lse = torch.empty(n, dtype=torch.float32, device=rows.device)
+    if n:
+        targets = torch.zeros(n, dtype=torch.int64, device=rows.device)
+        picked = torch.empty(n, dtype=torch.float32, device=rows.device)
+        cfg = _forward_config(rows.dtype, vocab)
+        _logp_forward_kernel[(n,)](rows, targets, picked, lse, rows.stride(0), vocab, **cfg)
+    return lse
+
+
 def logp(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
     """fp32 log-probabilities [B,S] of `target_ids` [B,S] under `logits` [B,S,V] (any float dtype)."""
     _validate(logits, target_ids)

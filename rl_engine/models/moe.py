@@ -1,0 +1,203 @@
+"""The sparse MLP block (Qwen3-MoE's): a router picks k experts per token; each is a SwiGLU MLP.
+
+    logits = x @ router^T                (the `matmul` op, activation dtype)
+    probs  = softmax(logits) in fp32;    top-k by probability, ties to the lowest expert index
+    w      = probs[top-k] (/ their sum when norm_topk_prob), cast to the activation dtype
+    out[t] = sum over slots s = 0..k-1, in slot order, in fp32, of w[t,s] * expert_{e[t,s]}(x[t]);
+             one cast to the activation dtype
+
+which is transformers' Qwen3MoeSparseMoeBlock (softmax in fp32, weights cast to the logits' dtype),
+except that transformers sums the k weighted outputs in the activation dtype, in expert order.
+
+Why a token's bits never depend on the other tokens (DESIGN.md, MoE rule):
+- routing is per token: the fp32 softmax uses a max (exact) and a fixed pairwise tree sum; the expert
+  axis is padded with -inf to a multiple of 64 so torch's CPU `exp` never reaches its scalar tail (which
+  may round differently from the vector body, so an element's bits could depend on its position); the
+  top-k is a stable descending sort, so equal probabilities go to the lowest expert index;
+- permute: the rows routed to expert e are gathered in token order (experts in index order); each
+  expert runs `matmul` -> `swiglu` -> `matmul` on its rows only. The `matmul` op of the triton profile
+  is row invariant (fixed tiles per (dtype, N, K), no split-K), so a row's result does not depend on
+  which or how many rows the expert serves. This loop of batch-invariant GEMMs is the reference a
+  grouped-GEMM kernel must equal bit for bit;
+- unpermute and combine: the k outputs of a token are summed in slot order in fp32.
+Backward is written out (no reduction whose order torch picks, no atomics): the gradient of a token's
+input sums its k slot gradients in slot order in fp32; the weights' gradient reduces over the hidden
+axis with the same fixed tree; the router's is the softmax/top-k derivative with tree sums over k.
+Expert weight gradients come from the `matmul` op's backward (a fixed-order sum over the expert's
+tokens, in token order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# The router's expert axis is padded to a multiple of this (and to a power of two, for the tree).
+ROUTER_PAD = 64
+
+
+def _acc(t: torch.Tensor) -> torch.dtype:
+    """The accumulation dtype: fp32, or float64 for float64 inputs (the gradient checks run in it)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last axis by a fixed pairwise tree: zero-pad to a power of two, then repeatedly
+    add the upper half to the lower half. Elementwise adds only, so the order is the same on every
+    device and for every batch."""
+    n = x.shape[-1]
+    width = _pow2_at_least(n)
+    if width != n:
+        x = torch.nn.functional.pad(x, (0, width - n))
+    while width > 1:
+        width //= 2
+        x = x[..., :width] + x[..., width:]
+    return x[..., 0]
+
+
+def router_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """fp32 softmax over the last axis of [T,E] logits, with the fixed tree sum (float64 stays float64)."""
+    t, e = logits.shape
+    width = max(ROUTER_PAD, _pow2_at_least(e))
+    padded = logits.new_full((t, width), float("-inf"), dtype=_acc(logits))
+    padded[:, :e] = logits
+    ex = torch.exp(padded - padded.max(dim=-1, keepdim=True).values)  # the max is exact in any order
+    return (ex / tree_sum(ex)[:, None])[:, :e]
+
+
+class _Route(torch.autograd.Function):
+    """logits [T,E] -> (fp32 weights [T,k], expert ids [T,k]), with a hand-written backward."""
+
+    @staticmethod
+    def forward(ctx, logits, top_k, norm_topk_prob):
+        probs = router_softmax(logits)
+        # Stable: among equal probabilities the lower expert index comes first.
+        experts = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k].contiguous()
+        picked = probs.gather(-1, experts)
+        weights = picked / tree_sum(picked)[:, None] if norm_topk_prob else picked
+        ctx.save_for_backward(probs, experts, picked)
+        ctx.norm_topk_prob, ctx.logits_dtype = norm_topk_prob, logits.dtype
+        ctx.mark_non_differentiable(experts)
+        return weights, experts
+
+    @staticmethod
+    def backward(ctx, grad_weights, _grad_experts):
+        probs, experts, picked = ctx.saved_tensors
+        g = grad_weights.to(probs.dtype)
+        if ctx.norm_topk_prob:  # w = p / S, S = sum of p: dp = (g - sum(g * w)) / S
+            total = tree_sum(picked)[:, None]
+            g = (g - tree_sum(g * (picked / total))[:, None]) / total
+        # p = softmax(l): dl = p * (dp - sum(p * dp)); dp is zero off the chosen experts.
+        dp = torch.zeros_like(probs).scatter(-1, experts, g)
+        dl = probs * (dp - tree_sum(picked * g)[:, None])
+        return dl.to(ctx.logits_dtype), None, None
+
+
+def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T,k] in the logits' dtype, as transformers casts them; expert ids [T,k] int64)."""
+    weights, experts = _Route.apply(logits, top_k, norm_topk_prob)
+    return weights.to(logits.dtype), experts
+
+
+class Dispatch:
+    """Where each (token, slot) goes: rows sorted by expert (index order), tokens in order within one.
+
+    token_of_row [N = T*k]: the token of each permuted row; row_of_slot [T,k]: the permuted row of
+    each slot; counts: rows per expert (host ints).
+    """
+
+    def __init__(self, experts: torch.Tensor, num_experts: int):
+        t, k = experts.shape
+        flat = experts.reshape(-1)
+        order = torch.sort(flat, stable=True).indices  # stable: token order within an expert
+        self.token_of_row = order // k
+        row_of_flat = torch.empty_like(order)
+        row_of_flat[order] = torch.arange(order.numel(), device=order.device)
+        self.row_of_slot = row_of_flat.view(t, k)
+        self.counts = torch.bincount(flat, minlength=num_experts).tolist()
+
+
+class _Permute(torch.autograd.Function):
+    """x [T,H] -> rows [N,H]; backward sums each token's k row gradients in slot order in fp32."""
+
+    @staticmethod
+    def forward(ctx, x, token_of_row, row_of_slot):
+        ctx.save_for_backward(row_of_slot)
+        return x[token_of_row]
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        (row_of_slot,) = ctx.saved_tensors
+        slots = grad_rows[row_of_slot].to(_acc(grad_rows))  # [T,k,H]
+        acc = slots[:, 0]
+        for s in range(1, slots.shape[1]):
+            acc = acc + slots[:, s]
+        return acc.to(grad_rows.dtype), None, None
+
+
+class _Combine(torch.autograd.Function):
+    """rows [N,H] (expert outputs), weights [T,k] -> out [T,H] = sum_s w[t,s] * rows[row_of_slot[t,s]]."""
+
+    @staticmethod
+    def forward(ctx, rows, weights, row_of_slot):
+        ctx.save_for_backward(rows, weights, row_of_slot)
+        slots = rows[row_of_slot].to(_acc(rows))  # [T,k,H]
+        w = weights.to(slots.dtype)
+        acc = w[:, 0, None] * slots[:, 0]
+        for s in range(1, slots.shape[1]):
+            acc = acc + w[:, s, None] * slots[:, s]
+        return acc.to(rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        rows, weights, row_of_slot = ctx.saved_tensors
+        g = grad_out.to(_acc(rows))
+        grad_slots = (weights.to(g.dtype)[:, :, None] * g[:, None, :]).to(rows.dtype)
+        grad_rows = torch.empty_like(rows)
+        grad_rows[row_of_slot.reshape(-1)] = grad_slots.reshape(-1, rows.shape[1])  # each row once: a copy
+        grad_weights = tree_sum(g[:, None, :] * rows[row_of_slot].to(g.dtype)).to(weights.dtype)
+        return grad_rows, grad_weights, None
+
+
+def expert_mlp(ops, node: str, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
+    """One expert's SwiGLU MLP on its rows x [n,H] through the profile's ops (weights as HF stores them)."""
+    a = x[None]
+    g = ops("matmul", f"{node}.gate_proj", a=a, b=gate.t())
+    u = ops("matmul", f"{node}.up_proj", a=a, b=up.t())
+    m = ops("swiglu", f"{node}.swiglu", gate=g, up=u)
+    return ops("matmul", f"{node}.down_proj", a=m, b=down.t())[0]
+
+
+def local_experts(ops, node: str, expert_weights: Callable[[int], tuple]):
+    """The experts computed here, one after the other in index order, each on its own rows.
+
+    `expert_weights(e)` gives (gate, up, down) of expert e. Returns run(rows [N,H], counts) -> [N,H].
+    """
+
+    def run(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        outs = [
+            expert_mlp(ops, f"{node}.experts.{e}", part, *expert_weights(e))
+            for e, part in enumerate(rows.split(counts))
+            if part.shape[0]  # an expert without tokens runs nothing
+        ]
+        return torch.cat(outs) if outs else rows  # no rows at all: [0,H], still in the autograd graph
+
+    return run
+
+
+def moe_block(ops, node: str, x: torch.Tensor, router: torch.Tensor, moe, experts: Callable) -> torch.Tensor:
+    """The sparse MLP block on x [..., H]; `moe` is a MoeConfig, `experts(rows, counts)` the expert step
+    (local_experts, or expert_parallel's exchange around it)."""
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    logits = ops("matmul", f"{node}.gate", a=flat[None], b=router.t())[0]
+    weights, chosen = route(logits, moe.top_k, moe.norm_topk_prob)
+    plan = Dispatch(chosen, moe.num_experts)
+    rows = _Permute.apply(flat, plan.token_of_row, plan.row_of_slot)
+    out = _Combine.apply(experts(rows, plan.counts), weights, plan.row_of_slot)
+    return out.view(shape)

@@ -1,0 +1,120 @@
+"""benchmarks/rollout.py end to end on the CPU (toy model, interpreter): every path but the GPU figures,
+so a Python error shows here and not in the H200's scarce minutes."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def rollout():
+    import sys
+
+    sys.path.insert(0, str(BENCHMARKS))  # the script imports `common` from its folder
+    try:
+        spec = importlib.util.spec_from_file_location("rollout_benchmark", BENCHMARKS / "rollout.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return module
+
+
+def _rows(out):
+    return {(r["peer"], r["batch"], r["context"]): r for r in json.loads((out / "rollout.json").read_text())["rows"]}
+
+
+def test_every_peer_gets_a_full_row_and_merge_keeps_the_rest(rollout, tmp_path):
+    assert rollout.main(["--out", str(tmp_path), "--device", "cpu", "--batches", "2"]) == 0
+    rows = _rows(tmp_path)
+    assert set(rows) == {(p, 2, 6) for p in rollout.PEERS}
+    for peer, row in ((k[0], v) for k, v in rows.items()):
+        assert "error" not in row and "skipped" not in row, (peer, row)
+        assert row["decode_tok_s"] > 0 and row["prefill_ms"] > 0 and row["e2e_tok_s"] > 0
+        assert row["top_kernels"] and row["gpu_ms_per_step"] is None  # no GPU figure on a CPU
+        # greedy on the same weights and prompts: the first tokens agree (a model given other weights would not)
+        assert min(row["first_token_agree"].values()) == 1.0, (peer, row["first_token_agree"])
+    for peer in rollout.ENGINE_PEERS:
+        row = rows[(peer, 2, 6)]
+        assert row["speedup_vs_hf"] > 0 and {"speedup_vs_hf_static", "speedup_vs_hf_dynamic"} <= set(row)
+        parts = [row[k] for k in ("forward_ms", "sample_ms", "logprobs_ms")]
+        assert all(p > 0 for p in parts) and sum(parts) <= row["decode_step_ms"]
+        package = {"triton_bf16": ".triton.", "torch_bf16": ".pytorch."}[peer]
+        assert row["ran"] and all(package in r for r in row["ran"]), row["ran"]  # the profile's ops ran
+    assert rows[("hf_static", 2, 6)]["cache"] == "static" and rows[("hf_dynamic", 2, 6)]["cache"] == "dynamic"
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "rollout.png").exists()
+
+    assert rollout.main(["--out", str(tmp_path), "--device", "cpu", "--batches", "1", "--peers", "hf_dynamic",
+                         "--merge"]) == 0
+    merged = _rows(tmp_path)
+    assert set(merged) == set(rows) | {("hf_dynamic", 1, 6)}
+    assert merged[("triton_bf16", 2, 6)]["decode_tok_s"] == rows[("triton_bf16", 2, 6)]["decode_tok_s"]
+    # rows measured with other settings are not mixed in
+    assert rollout.main(["--out", str(tmp_path), "--device", "cpu", "--batches", "1", "--peers", "hf_dynamic",
+                         "--new-tokens", "4", "--merge"]) == 2
+    assert _rows(tmp_path) == merged
+
+
+@pytest.mark.parametrize("argv", [["--new-tokens", "2"], ["--batches", "0"], ["--temperature", "-1"]])
+def test_bad_arguments_exit_2_with_one_line(rollout, tmp_path, capsys, argv):
+    with pytest.raises(SystemExit) as exc:
+        rollout.main(["--out", str(tmp_path), "--device", "cpu", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "invalid" in err
+
+
+def test_spent_budget_skips_cells_and_a_failed_model_fills_its_rows(rollout, tmp_path, monkeypatch):
+    assert rollout.main(["--out", str(tmp_path), "--device", "cpu", "--budget-s", "0"]) == 0
+    rows = _rows(tmp_path)
+    assert set(rows) == {(p, 1, 6) for p in rollout.PEERS} | {(p, 2, 6) for p in rollout.PEERS}
+    assert all("time budget" in r["skipped"] and "decode_tok_s" not in r for r in rows.values())
+
+    def broken(*args):
+        raise RuntimeError("no transformers model today")
+
+    monkeypatch.setattr(rollout, "hf_model", broken)
+    assert rollout.main(["--out", str(tmp_path), "--device", "cpu", "--batches", "1", "--peers", "hf_static"]) == 0
+    (row,) = _rows(tmp_path).values()
+    assert row["peer"] == "hf_static" and "no transformers model today" in row["error"]
+
+
+def test_gpu_probe_summary_on_recorded_kernels(rollout):
+    """The CUDA branch of the profiler summary, on kernel events as torch.profiler reports them."""
+    import torch
+    from torch.autograd import DeviceType
+
+    class Span:
+        def __init__(self, us):
+            self.us = us
+
+        def elapsed_us(self):
+            return self.us
+
+    class Event:
+        def __init__(self, name, device_type, us):
+            self.name, self.device_type, self.time_range, self.self_cpu_time_total = name, device_type, Span(us), us
+
+    class Prof:
+        def events(self):
+            return [Event("sm90_xmma_gemm_bf16", DeviceType.CUDA, 3000.0),
+                    Event("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", DeviceType.CUDA, 1000.0),
+                    Event("aten::mm", DeviceType.CPU, 9000.0)]  # host time: not GPU time
+
+    probe = rollout._Probe(torch.device("cuda"), steps=2)
+    probe.prof = Prof()
+    got = probe.summary()
+    assert got["gpu_ms_per_step"] == 2.0
+    assert [k["name"] for k in got["top_kernels"]] == ["sm90_xmma_gemm_bf16",
+                                                       "fmha_cutlassF_bf16_aligned_64x128_rf_sm80"]
+    assert rollout._sdpa_backend(got["attention_kernels"]) == "efficient"
+    assert rollout._sdpa_backend(["pytorch_flash::flash_fwd_kernel"]) == "flash"
+    assert rollout._sdpa_backend(["cudnn_generated_fort_native_sdpa_sm90"]) == "cudnn"
+    assert rollout._sdpa_backend([]) == "unknown"
