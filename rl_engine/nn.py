@@ -162,6 +162,18 @@ class Attention(_OpModule):
         return self.output(a)
 
 
+class LmHead(_OpModule):
+    """logits [B,S,V] = hidden @ weight.T by the lm_head op (batch invariant under the triton profile): the
+    logits transformers' `generate` picks tokens from, the same bits rl_engine's rollout engine samples from."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, *, profile="triton_bf16", node="lm_head"):
+        super().__init__(profile, node)
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.ops("lm_head", self.node, hidden=hidden, weight=self._cast(self.weight))
+
+
 class SelectedLogprobHead(_OpModule):
     """fp32 log p(target_ids | hidden) through lm_head, by the linear_logp op: the [.., V] logits are never
     materialised under the triton profile (the torch profile materialises them: that is what it measures)."""

@@ -1,16 +1,18 @@
 """Patch a loaded transformers model so it computes with rl_engine's ops: `patch`, `unpatch`, `selected_logprobs`.
 
-`patch(model, profile)` swaps, in place, each layer's RMSNorms, MLP and attention, the final norm and the
-rotary embedding for the layers of rl_engine.nn, which share the original Parameter objects (no copies:
-optimizers, FSDP and checkpoints keep seeing the same tensors and state_dict keys). A patch never changes
-what a layer means: the patched model computes what rl_engine's `DecoderModel` computes under the same
-profile and weights, bit for bit. It refuses, in one line, any model whose config rl_engine would not
-compute as stated (the family's config.json check, fail closed). `unpatch` puts the original modules back.
+`patch(model, profile)` swaps, in place, each layer's RMSNorms, MLP and attention, the final norm, the
+rotary embedding and lm_head (the logits `generate` picks from) for the layers of rl_engine.nn, which share
+the original Parameter objects (no copies: optimizers, FSDP and checkpoints keep seeing the same tensors and
+state_dict keys). A patch never changes what a layer means: the patched model computes what rl_engine's
+`DecoderModel` computes under the same profile and weights, bit for bit. It refuses, in one line, any model
+whose config rl_engine would not compute as stated (the family's config.json check, fail closed).
+`unpatch` puts the original modules back.
 
 Attention layouts seen by the patched attention (transformers hands it the 2D padding mask, as it does
 for flash attention): no mask (right padding needs none), a left-padded mask (`seq_starts`), a packed
-row [1,T] whose position_ids restart at 0 (`cu_seqlens`), and a transformers Cache (prefill, then decode
-through `kv_cache_attention`). Padding in the middle of a row, or padding while decoding, is refused.
+row [1,T] whose position_ids restart at 0 (`cu_seqlens`), and a transformers DynamicCache (prefill, then
+decode through `kv_cache_attention`). Padding in the middle of a row, padding while decoding, or another
+cache (static, sliding, quantized) is refused.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from rl_engine.models.decoder import rope_inv_freq
 from rl_engine.models.families import get_family
 from rl_engine.models.profiles import ProfileOps, get_profile
 from rl_engine.models.weights import CheckpointError, config_from_hf
-from rl_engine.nn import Attention, GatedMLP, RMSNorm, SelectedLogprobHead, profile_ops
+from rl_engine.nn import Attention, GatedMLP, LmHead, RMSNorm, SelectedLogprobHead, profile_ops
 
 SUPPORTED = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
 ATTN_IMPLEMENTATION = "rl_engine"  # our name in transformers' mask registry: it hands attention the 2D mask
@@ -122,7 +124,10 @@ def patch(model, profile: str = "triton_bf16") -> None:
     swap(model.model, "rotary_emb", _Positions())
     with torch.device("meta"):
         head = SelectedLogprobHead(c.hidden_size, c.vocab_size, profile=ops, node="logp")
-    head.weight = model.lm_head.weight  # the embedding matrix itself when tied, as DecoderModel reads it
+        logits = LmHead(c.hidden_size, c.vocab_size, profile=ops, node="lm_head")
+    head.weight = logits.weight = model.lm_head.weight  # the embedding matrix itself when tied, as DecoderModel
+    # generate() picks tokens from model(...).logits: through the lm_head op they are batch invariant too.
+    swap(model, "lm_head", logits)
     _register_mask_function()
     model._rl_engine_patch = _Patch(profile, ops, config, swaps, model.config._attn_implementation, head)
     model.config._attn_implementation = ATTN_IMPLEMENTATION
@@ -182,6 +187,10 @@ class _HfAttention(Attention):
         if cache is not None:
             past = cache.get_seq_length(self.layer_idx)
             k_all, v_all = cache.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx)
+            layer = type(cache.layers[self.layer_idx]).__name__
+            if layer != "DynamicLayer":  # a static, sliding or quantized layer hands back other keys than ours
+                raise UsageError(f"{self.node}: only transformers' DynamicCache with full-attention layers is "
+                                 f"supported, got a {layer}")
             if past:  # chunked prefill and decode read the cache, as DecoderModel.forward_cached
                 if attention_mask is not None:
                     raise UsageError(f"{self.node}: decoding with a padding mask is not supported (one row per "

@@ -18,9 +18,9 @@ LLAMA3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_f
           "original_max_position_embeddings": 16, "rope_theta": 500000.0}
 
 
-def hf_model(family, profile, layers=2, **extra):
+def hf_model(family, profile, layers=2, dims=None, **extra):
     torch.manual_seed(0)
-    dims = {**DIMS, "num_hidden_layers": layers}
+    dims = {**(dims or DIMS), "num_hidden_layers": layers}
     if family == "qwen3":
         cfg = transformers.Qwen3Config(**dims, **extra)
         model = transformers.Qwen3ForCausalLM(cfg)
@@ -62,7 +62,7 @@ def test_patched_model_equals_decoder(family, profile):
         lp = selected_logprobs(model, ids)
         assert lp.dtype == torch.float32 and lp.shape == (2, 6)
         assert torch.equal(lp, ours.selected_logprobs(want[:, :-1], ids[:, 1:]))
-        logits = model(input_ids=ids).logits.float()  # transformers' own lm_head on the patched hidden states
+        logits = model(input_ids=ids).logits.float()  # the patched lm_head (the lm_head op): bf16 logits
         gathered = torch.log_softmax(logits, -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
         torch.testing.assert_close(lp, gathered, rtol=0, atol=1e-5)
 
@@ -90,7 +90,7 @@ def test_layouts_equal_decoder():
 def test_unpatch_restores_original_bit_for_bit():
     model = hf_model("qwen2", "torch_bf16")
     ids = tokens(2, 5)
-    gate = model.model.layers[0].mlp.gate_proj.weight
+    gate, head = model.model.layers[0].mlp.gate_proj.weight, model.lm_head.weight
     with torch.no_grad():
         before = model(input_ids=ids).logits
         patch(model, "torch_bf16")
@@ -98,6 +98,7 @@ def test_unpatch_restores_original_bit_for_bit():
         assert "model.layers.0.mlp.gate_proj.weight" in model.state_dict()
         unpatch(model)
         assert type(model.model.layers[0].mlp).__name__ == "Qwen2MLP"
+        assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight is head
         assert torch.equal(model(input_ids=ids).logits, before)
     with pytest.raises(UsageError, match="not patched"):
         unpatch(model)
