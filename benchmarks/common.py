@@ -67,7 +67,8 @@ def optional_import(module: str):
         return None
 
 
-def _version(module: str) -> str:
+def module_version(module: str) -> str:
+    """`module.__version__`, or "unavailable" when it cannot be imported."""
     mod = optional_import(module)
     return getattr(mod, "__version__", "unknown") if mod is not None else "unavailable"
 
@@ -300,3 +301,32 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
     for r in cells:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+
+
+def hf_qwen3_model(config, weights: dict, device):
+    """transformers' Qwen3ForCausalLM for an rl_engine `config`, holding `weights` (HF names), bf16
+    parameters, attn_implementation sdpa. Built in bf16 rather than converted after, so the rotary
+    inv_freq buffer stays fp32, as from_pretrained(dtype=bf16) leaves it."""
+    import transformers
+
+    kwargs = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=config.tie_word_embeddings, max_position_embeddings=40960, attn_implementation="sdpa",
+    )
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_theta}
+    else:
+        kwargs["rope_theta"] = config.rope_theta
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kwargs))
+    finally:
+        torch.set_default_dtype(default)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or set(missing) - ({"lm_head.weight"} if config.tie_word_embeddings else set()):
+        raise RuntimeError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
+    return model

@@ -137,7 +137,7 @@ def main() -> int:
     args = parse_gpu_args(parser)
     torch.backends.cuda.matmul.allow_tf32 = False
     env = environment()
-    print(f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}", flush=True)
+    print(f"{env['device_name']}  torch {env['torch']}  triton {env['triton']}", flush=True)
     copy = measure("copy ceiling", copy_ceiling)
     copy_bw = copy.get("gb_per_s")
     tokens_list = [4096, 16384] if args.quick else [4096, 8192, 16384, 32768]

@@ -44,7 +44,7 @@ from collections import defaultdict
 from functools import partial
 
 import torch
-from common import measure, optional_import, print_table, save_plot, write_json
+from common import hf_qwen3_model, measure, module_version, print_table, save_plot, write_json
 
 from rl_engine.models.config import ModelConfig
 from rl_engine.models.decoder import DecoderModel
@@ -262,27 +262,7 @@ def build_engine_model(config: ModelConfig, weights: dict, profile: str) -> Deco
 
 # -- transformers ------------------------------------------------------------------------------------------
 def hf_model(config: ModelConfig, weights: dict, device: torch.device):
-    """transformers' Qwen3ForCausalLM, sdpa, bf16, holding `weights` (as from_pretrained(dtype=bf16) builds it)."""
-    import transformers
-
-    hf_config = transformers.Qwen3Config(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
-        rope_theta=config.rope_theta, tie_word_embeddings=config.tie_word_embeddings,
-        max_position_embeddings=131072, attn_implementation="sdpa")
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # parameters in bf16, RoPE tables in fp32 (they ask for fp32)
-    try:
-        with torch.device(device):
-            hf = transformers.Qwen3ForCausalLM(hf_config)
-    finally:
-        torch.set_default_dtype(default)
-    missing, unexpected = hf.load_state_dict(weights, strict=False)
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    if unexpected or not set(missing) <= tied:
-        raise RuntimeError(f"transformers model: missing {missing}, unexpected {unexpected}")
-    return hf.eval()
+    return hf_qwen3_model(config, weights, device).eval()
 
 
 class _StepClock:
@@ -451,7 +431,7 @@ def main(argv=None) -> int:
         return {"complete": complete, "model": config.name, "dtype": "bfloat16", "new_tokens": args.new_tokens,
                 "temperature": args.temperature, "profiled_steps": PROFILED_STEPS, "goals": GOALS,
                 "engine": {"chunk_size": setup["chunk_size"], "page_size": setup["page_size"]},
-                "transformers": getattr(optional_import("transformers"), "__version__", "unavailable"),
+                "transformers": module_version("transformers"),
                 "rows": public}
 
     print(f"{config.name} on {device}: cells (context, batch) {cells}, {args.new_tokens} new tokens, "

@@ -48,7 +48,19 @@ import sys
 import time
 
 import torch
-from common import GB, arg_parser, bench_ms, gemm_ceiling, measure, optional_import, print_table, save_plot, write_json
+from common import (
+    GB,
+    arg_parser,
+    bench_ms,
+    gemm_ceiling,
+    hf_qwen3_model,
+    measure,
+    module_version,
+    optional_import,
+    print_table,
+    save_plot,
+    write_json,
+)
 
 if not torch.cuda.is_available():  # Triton reads this when a kernel is decorated: before rl_engine's kernels load
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -80,32 +92,7 @@ class Unavailable(Exception):
 
 
 def build_model(config, weights, device):
-    """transformers' Qwen3ForCausalLM for `config` holding `weights`, bf16 parameters, attn_implementation sdpa."""
-    import transformers
-
-    kwargs = dict(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
-        tie_word_embeddings=config.tie_word_embeddings, max_position_embeddings=40960, attn_implementation="sdpa",
-    )
-    if int(transformers.__version__.split(".")[0]) >= 5:
-        kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_theta}
-    else:
-        kwargs["rope_theta"] = config.rope_theta
-    cfg = transformers.Qwen3Config(**kwargs)
-    # Built in bf16 (not converted after): the rotary inv_freq buffer stays fp32, as from_pretrained leaves it.
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = transformers.Qwen3ForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(default)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if unexpected or set(missing) - ({"lm_head.weight"} if config.tie_word_embeddings else set()):
-        raise RuntimeError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
-    return model
+    return hf_qwen3_model(config, weights, device)
 
 
 def make_inputs(config, batch, seq, lengths, device):
@@ -328,7 +315,8 @@ def run(args, save) -> dict:
     inputs = {s: make_inputs(config, *shape, device) for s, shape in shapes.items()}
     liger = optional_import("liger_kernel.transformers")
     rows, impls, refs = [], {}, {}
-    payload = {"config": dataclasses.asdict(config), "transformers": _version("transformers"), "profile": args.profile,
+    payload = {"config": dataclasses.asdict(config), "transformers": module_version("transformers"),
+               "profile": args.profile,
                "shapes": {s: {"batch": b, "seq": q, "packed_lengths": ln} for s, (b, q, ln) in shapes.items()},
                "compile_backend": args.compile_backend, "ceilings": {"gemm_8192": gemm}, "implementations": impls,
                "rows": rows}
@@ -350,11 +338,6 @@ def run(args, save) -> dict:
         print(f"  {impl}: {time.perf_counter() - t0:.0f} s", flush=True)
         save(payload)
     return payload
-
-
-def _version(module: str) -> str:
-    mod = optional_import(module)
-    return getattr(mod, "__version__", "unknown") if mod is not None else "unavailable"
 
 
 def _brief(row) -> str:

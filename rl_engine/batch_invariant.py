@@ -23,8 +23,6 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rl_engine.kernels.ops.triton.runtime import interpreting
-
 aten = torch.ops.aten
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -35,6 +33,8 @@ def _routable(*tensors) -> bool:
         return False
     if first.dtype not in _FLOATS:
         return False
+    from rl_engine.kernels.ops.triton.runtime import interpreting
+
     if first.device.type == "cpu" and not interpreting():
         raise RuntimeError("batch_invariant_mode: CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 "
                            "before rl_engine is imported); on a GPU it is not needed")
@@ -42,9 +42,10 @@ def _routable(*tensors) -> bool:
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
-    """fp32 sum over the last axis by a fixed pairwise tree (zero-padded to a power of two): elementwise
-    adds only, so a row's bits depend on that row alone, on every device."""
-    x = x.float()
+    """Sum over the last axis, in x's dtype, by a fixed tree: zero-pad to a power of two, then add the
+    upper half to the lower half until one column is left. Elementwise adds only, so a row's bits
+    depend on that row alone, on every device and for every batch. (parallel.canonical's tree over
+    shards is another order, fixed by the TP decomposition.)"""
     n = x.shape[-1]
     width = 1 << max(n - 1, 0).bit_length()
     if width != n:
@@ -95,7 +96,7 @@ def _log_softmax_backward(grad, output, dim, input_dtype):
     if not (_routable(grad, output) and _last(grad, dim)):
         return NotImplemented
     g = grad.float()
-    return (g - torch.exp(output.float()) * tree_sum(g)[..., None]).to(input_dtype)
+    return (g - torch.exp(output.float()) * tree_sum(g)[..., None]).to(input_dtype)  # g is fp32
 
 
 def _dims(x, dim):
@@ -106,7 +107,7 @@ def _sum(x, dim=None, keepdim=False, *, dtype=None):
     dims = _dims(x, dim)
     if not (_routable(x) and len(dims) == 1 and _last(x, dims[0])) or x.dim() == 0:
         return NotImplemented
-    out = tree_sum(x).to(dtype or x.dtype)
+    out = tree_sum(x.float()).to(dtype or x.dtype)
     return out.unsqueeze(-1) if keepdim else out
 
 
@@ -114,7 +115,7 @@ def _mean(x, dim=None, keepdim=False, *, dtype=None):
     dims = _dims(x, dim)
     if not (_routable(x) and len(dims) == 1 and _last(x, dims[0])) or x.dim() == 0:
         return NotImplemented
-    out = (tree_sum(x) / x.shape[-1]).to(dtype or x.dtype)
+    out = (tree_sum(x.float()) / x.shape[-1]).to(dtype or x.dtype)
     return out.unsqueeze(-1) if keepdim else out
 
 

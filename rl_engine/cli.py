@@ -14,9 +14,11 @@ import os
 import re
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from contextlib import contextmanager
 from types import SimpleNamespace
+from typing import NoReturn
 
 from rl_engine.errors import Terminated, UsageError
 
@@ -28,6 +30,7 @@ SUBCOMMANDS = {
     "mhc-golden": ("rl_engine.mhc.fixtures", "regenerate the mHC golden hashes (explicit only)"),
 }
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_GRACE_S = 3.0  # after a stop signal, the process ends within this whatever the command does
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -39,30 +42,52 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 @contextmanager
-def stop_signals():
+def stop_signals(prog: str = "rl-engine"):
     """SIGINT raises KeyboardInterrupt and SIGTERM raises Terminated, so `finally` blocks and the
     process launcher clean up on both; the state records the first signal. Repeats are ignored: the
-    cleanup they would interrupt is bounded, and cutting it short could leave rank processes behind."""
-    state = SimpleNamespace(signum=None)
+    cleanup they would interrupt is bounded, and cutting it short could leave rank processes behind.
+
+    Python swallows an exception raised inside a finalizer (`__del__`, a weakref callback): a stop
+    signal landing there would be lost, and the command would run on. So that case is kept silent
+    (no "Exception ignored" traceback) and a watchdog ends the process STOP_GRACE_S after the signal
+    whatever happens, with the same one line and exit code."""
+    state = SimpleNamespace(signum=None, reported=False)
+
+    def end():
+        """The one way out after a stop signal: one line, then 128 + the signal (from any thread)."""
+        if not state.reported:
+            state.reported = True
+            print(f"{prog}: interrupted", file=sys.stderr)
+        _exit_now(128 + int(state.signum))
+
+    state.end = end
 
     def handler(signum, frame):
         if state.signum is not None:
             return
         state.signum = signum
+        watchdog = threading.Timer(STOP_GRACE_S, end)
+        watchdog.daemon = True
+        watchdog.start()
         raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+    previous_hook = sys.unraisablehook
+
+    def unraisable(info):
+        if not (state.signum is not None and isinstance(info.exc_value, KeyboardInterrupt)):
+            previous_hook(info)
 
     try:
         previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     except ValueError:  # not the main thread: signals are not ours to take
         previous = {}
+    sys.unraisablehook = unraisable
     try:
         yield state
     finally:
-        # After a stop signal the process is on its way out: a repeat arriving during interpreter
-        # shutdown (which resets Python's handlers to the default action) would kill it with the
-        # signal instead of 128 + signum, so stop signals stay ignored.
+        sys.unraisablehook = previous_hook
         for s, h in previous.items():
-            signal.signal(s, h if state.signum is None else signal.SIG_IGN)
+            signal.signal(s, h)
 
 
 # CPU: "DefaultCPUAllocator: can't allocate memory: you tried to allocate 320000000000 bytes";
@@ -110,18 +135,32 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict]:
     return parser, modules
 
 
+def _exit_now(code: int) -> NoReturn:
+    """End the process with `code` after a stop signal, skipping interpreter shutdown: CPython's exit
+    path could still turn it into a death by SIGINT (returncode -2 instead of 130; seen in CI under
+    load, about one run in eight). Everything the command wrote is flushed first; its `finally` blocks
+    (rank processes ended, no half-written report) have already run."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing left to save
+            pass
+    os._exit(code)
+
+
 def run_guarded(prog: str, command: Callable[[], int]) -> int:
     """`command()` with the command-line boundary around it: stop signals become an exception, then
     'interrupted' and 128 + the signal; a UsageError or a failed allocation becomes one line and 2."""
-    with stop_signals() as stop:
+    with stop_signals(prog) as stop:
         try:
-            return command()
+            code = command()
         except BaseException as exc:
             # After a stop signal, whatever unwinds (KeyboardInterrupt, or a rank's death seen first) is the interrupt.
-            if stop.signum is not None or isinstance(exc, KeyboardInterrupt):
-                signum = stop.signum or getattr(exc, "signum", signal.SIGINT)
+            if stop.signum is not None:
+                stop.end()
+            if isinstance(exc, KeyboardInterrupt):  # raised, not signalled (in-process callers)
                 print(f"{prog}: interrupted", file=sys.stderr)
-                return 128 + int(signum)
+                return 128 + int(getattr(exc, "signum", signal.SIGINT))
             if isinstance(exc, BrokenPipeError):  # `| head` closed the pipe: stop quietly, as shell tools do
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush must not raise
                 return 128 + int(signal.SIGPIPE)
@@ -133,6 +172,9 @@ def run_guarded(prog: str, command: Callable[[], int]) -> int:
                 raise  # SystemExit from argparse, or a bug: its traceback is the right report
             print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
             return 2
+        if stop.signum is not None:  # the stop exception was swallowed on the way (a finalizer): still an interrupt
+            stop.end()
+        return code
 
 
 def _route(argv: list[str] | None) -> int:

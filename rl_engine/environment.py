@@ -34,7 +34,10 @@ def environment(device=None) -> dict:
     if dev.type == "cuda":
         env["device_name"] = torch.cuda.get_device_name(dev)
         env["gpu_count"] = torch.cuda.device_count()
-        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        try:
+            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # noqa: BLE001 - a build without NCCL: the record says so
+            env["nccl"] = "unavailable"
     else:
         env["device_name"] = platform.processor() or platform.machine()
     return env

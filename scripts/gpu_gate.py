@@ -37,7 +37,7 @@ def log(fh, line: str) -> None:
     fh.flush()
 
 
-def environment(commit: str | None) -> dict:
+def environment(commit: str | None, device: str = "cuda") -> dict:
     if commit is None:  # a copied tree may carry a stale .git: --commit names what was copied
         try:
             commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
@@ -46,7 +46,7 @@ def environment(commit: str | None) -> dict:
             pass
     from rl_engine.environment import environment as record
 
-    return {**record("cuda"), "commit": commit}
+    return {**record(device), "commit": commit}
 
 
 def start_pytest(out: Path, workers: int) -> subprocess.Popen:
@@ -84,10 +84,10 @@ def gate_passed(suite: dict, ops: list[dict]) -> bool:
 
 def check_ops(out: Path, fh) -> list[dict]:
     from rl_engine.kernels.gtest import check_op
-    from rl_engine.kernels.gtest.operator_specs import OP_SPECS
+    from rl_engine.kernels.records import OPS
 
     results = []
-    for op, spec in OP_SPECS.items():
+    for op, spec in OPS.items():
         for layout in spec.layouts:
             for dtype in ("bf16", "fp32"):
                 name = op if layout == spec.layouts[0] else f"{op}_{layout}"
@@ -155,7 +155,7 @@ def main() -> int:
         write_atomic(out / "gpu_gate_summary.json", json.dumps(summary, indent=2) + "\n", "--out")
         verdict = (f"GPU gate {'PASSED' if ok else 'FAILED'}: pytest -m gpu {suite['passed']} passed, "
                    f"{suite['failed']} failed, {suite['errors']} errors, {suite['skipped']} skipped; check-op "
-                   f"{len(ops) - len(ops_failed)}/{len(ops)} passed; {summary['wall_s']} s on {env['gpu']} "
+                   f"{len(ops) - len(ops_failed)}/{len(ops)} passed; {summary['wall_s']} s on {env['device_name']} "
                    f"(torch {env['torch']}, Triton {env['triton']}, commit {env['commit']})")
         log(fh, verdict)
     return 0 if ok else 1

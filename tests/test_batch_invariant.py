@@ -54,6 +54,7 @@ def test_sum_and_mean_over_the_last_dim_use_the_fixed_tree():
     with batch_invariant_mode():
         s, m = x.sum(-1), x.mean(dim=-1, keepdim=True)
     assert torch.equal(s, tree_sum(x)) and torch.equal(m[:, 0], tree_sum(x) / 37)
+    assert tree_sum(torch.arange(5.0)) == 10.0 and tree_sum(x.double()).dtype == torch.float64
     assert torch.allclose(s, x.sum(-1), atol=1e-5)
 
 

@@ -33,6 +33,8 @@ from collections.abc import Callable
 
 import torch
 
+from rl_engine.batch_invariant import tree_sum
+
 # The router's expert axis is padded to a multiple of this (and to a power of two, for the tree).
 ROUTER_PAD = 64
 
@@ -44,20 +46,6 @@ def _acc(t: torch.Tensor) -> torch.dtype:
 
 def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
-
-
-def tree_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last axis by a fixed pairwise tree: zero-pad to a power of two, then repeatedly
-    add the upper half to the lower half. Elementwise adds only, so the order is the same on every
-    device and for every batch."""
-    n = x.shape[-1]
-    width = _pow2_at_least(n)
-    if width != n:
-        x = torch.nn.functional.pad(x, (0, width - n))
-    while width > 1:
-        width //= 2
-        x = x[..., :width] + x[..., width:]
-    return x[..., 0]
 
 
 def router_softmax(logits: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rl_engine.bits import bitwise_equal
 from rl_engine.models.moe import local_experts
 
 
@@ -163,10 +164,6 @@ def run_ep_sizes(rank: int, world_size: int, device: str, sizes: EpSizes, ep_siz
 def compare_ep(rank_results: list, sizes: EpSizes) -> dict:
     """Every EP size against EP = 1 (rank 0), bit for bit: per-token outputs and input gradients, and
     every expert's weight gradients from the rank that holds it. {str(ep): [names that differ]}."""
-
-    def bits(t):
-        return t.detach().contiguous().view(torch.uint8)
-
     reference = rank_results[0]["1"]
     report = {}
     for ep in rank_results[0]:
@@ -175,10 +172,10 @@ def compare_ep(rank_results: list, sizes: EpSizes) -> dict:
             got = ranks[ep]
             start, stop = got["tokens"]
             for name in ("out", "grad_x"):
-                if not torch.equal(bits(got[name]), bits(reference[name][start:stop])):
+                if not bitwise_equal(got[name], reference[name][start:stop]):
                     differing.add(name)
             for name, grad in got.items():
-                if name.startswith("grad_expert.") and not torch.equal(bits(grad), bits(reference[name])):
+                if name.startswith("grad_expert.") and not bitwise_equal(grad, reference[name]):
                     differing.add(name)
         report[ep] = sorted(differing)
     return report

@@ -23,6 +23,22 @@ from rl_engine.models.config import ModelConfig
 NULL_PAGE = 0
 
 
+def page_slots(block_table: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[B, max_pages * page_size]: the flat pool slot of every cache index of each row."""
+    offsets = torch.arange(page_size, dtype=torch.int64, device=block_table.device)
+    return (block_table.long()[:, :, None] * page_size + offsets).flatten(1)
+
+
+def gather_pages(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The contiguous cache [B,S,Hkv,D] the attention op reads, from a pool [num_pages,page,Hkv,D]."""
+    return pool.view(-1, *pool.shape[2:])[slots]
+
+
+def write_pages(pool: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, x: torch.Tensor) -> None:
+    """Write x [B,S,Hkv,D] into the pool at cache positions [B,S], in place."""
+    pool.view(-1, *pool.shape[2:])[torch.gather(slots, 1, positions.long())] = x
+
+
 class PagedKvCache:
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype, device):
         if page_size < 1 or num_pages < 2:
@@ -64,14 +80,11 @@ class PagedKvCache:
         table = torch.full((len(seq_ids), width), NULL_PAGE, dtype=torch.int64)
         for row, s in enumerate(seq_ids):
             table[row, : len(self.tables[s])] = torch.tensor(self.tables[s], dtype=torch.int64)
-        offsets = torch.arange(self.page_size, dtype=torch.int64)
-        self._slots = (table[:, :, None] * self.page_size + offsets).reshape(len(seq_ids), -1).to(self.device)
+        self._slots = page_slots(table, self.page_size).to(self.device)
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        slots = torch.gather(self._slots, 1, positions.long())
-        self.k[layer].view(-1, *k.shape[2:])[slots] = k
-        self.v[layer].view(-1, *v.shape[2:])[slots] = v
+        write_pages(self.k[layer], self._slots, positions, k)
+        write_pages(self.v[layer], self._slots, positions, v)
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.k[layer], self.v[layer]
-        return k.view(-1, *k.shape[2:])[self._slots], v.view(-1, *v.shape[2:])[self._slots]
+        return gather_pages(self.k[layer], self._slots), gather_pages(self.v[layer], self._slots)

@@ -4,25 +4,14 @@ wired wrong shows in the diff columns."""
 
 import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCHMARKS))  # the scripts import their helpers as `common`
-    spec = importlib.util.spec_from_file_location("benchmarks_moe", BENCHMARKS / "moe.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
-    sys.path.remove(str(BENCHMARKS))
+def bench(load_benchmark):
+    return load_benchmark("moe")
 
 
 def _close(row, name, rel=0.05):

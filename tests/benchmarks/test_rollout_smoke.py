@@ -3,27 +3,13 @@ so a Python error shows here and not in the H200's scarce minutes."""
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture(scope="module")
-def rollout():
-    import sys
-
-    sys.path.insert(0, str(BENCHMARKS))  # the script imports `common` from its folder
-    try:
-        spec = importlib.util.spec_from_file_location("rollout_benchmark", BENCHMARKS / "rollout.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+def rollout(load_benchmark):
+    return load_benchmark("rollout")
 
 
 def _rows(out):

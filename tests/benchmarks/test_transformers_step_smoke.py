@@ -2,28 +2,18 @@
 shape and task, the JSON rows, ratios and --append, before it meets the H200. Liger is a stand-in module here
 (plain torch), so its glue runs even where liger_kernel is not installed."""
 
-import importlib.util
 import json
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("transformers")
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.fixture
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    spec = importlib.util.spec_from_file_location("transformers_step_bench", BENCH / "transformers_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_benchmark):
+    return load_benchmark("transformers_step")
 
 
 def stub_liger(monkeypatch, fail=False):

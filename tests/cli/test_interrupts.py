@@ -137,3 +137,45 @@ def test_check_tp_signal_ends_the_ranks_too(tmp_path, signum, group):
     _stop(proc, signum, group=group, command="check-tp")
     _nothing_left(proc.pid)
     assert list(tmp_path.iterdir()) == []
+
+
+SWALLOWS = """
+import sys, time
+from rl_engine.cli import run_guarded
+
+def command():  # a command that swallows every interrupt, as code in a finalizer would
+    while True:
+        try:
+            time.sleep(30)
+        except KeyboardInterrupt:
+            pass
+
+sys.exit(run_guarded("rl-engine demo", command))
+"""
+
+
+RETURNS = SWALLOWS.replace("            pass", "            return 0")  # swallows it, then finishes "normally"
+
+
+@pytest.mark.parametrize("script", [SWALLOWS, RETURNS], ids=["runs-on", "returns"])
+def test_a_swallowed_interrupt_still_ends_the_command_in_time(script):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    _wait_for(lambda: _guarded(proc), 60, "the signal guard", proc)
+    _stop(proc, signal.SIGINT, group=False, command="demo")
+
+
+def test_an_interrupt_swallowed_by_a_finalizer_prints_nothing(capsys):
+    """Python reports an exception from a finalizer through sys.unraisablehook; after a stop signal the
+    guard keeps that report off stderr (the watchdog ends the process with its one line instead)."""
+    import types
+
+    from rl_engine.cli import stop_signals
+
+    with stop_signals("rl-engine demo") as state:
+        state.signum = signal.SIGINT  # as if the signal had arrived
+        sys.unraisablehook(types.SimpleNamespace(exc_type=KeyboardInterrupt, exc_value=KeyboardInterrupt(),
+                                                 exc_traceback=None, err_msg=None, object=None))
+        state.signum = None  # leave the guard as if nothing had happened: no watchdog was started
+    assert capsys.readouterr().err == ""

@@ -6,10 +6,6 @@ computes; the triton_bf16 run of the README (16 s under the interpreter) is left
 import importlib.util
 from pathlib import Path
 
-import pytest
-
-pytest.importorskip("transformers")
-
 PATH = Path(__file__).resolve().parents[2] / "examples" / "patch_transformers.py"
 
 

@@ -3,14 +3,13 @@ profile and weights; unpatch restores the original; configs rl_engine cannot com
 
 import pytest
 import torch
+import transformers  # a dev dependency: its absence is a failure, not a skip
 
-transformers = pytest.importorskip("transformers")
-
-from rl_engine.errors import UsageError  # noqa: E402
-from rl_engine.integrations.transformers import patch, selected_logprobs, unpatch  # noqa: E402
-from rl_engine.models.decoder import DecoderModel  # noqa: E402
-from rl_engine.models.profiles import ProfileOps, get_profile  # noqa: E402
-from rl_engine.models.weights import config_from_hf  # noqa: E402
+from rl_engine.errors import UsageError
+from rl_engine.integrations.transformers import patch, selected_logprobs, unpatch
+from rl_engine.models.decoder import DecoderModel
+from rl_engine.models.profiles import ProfileOps, get_profile
+from rl_engine.models.weights import config_from_hf
 
 DIMS = {"vocab_size": 257, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}

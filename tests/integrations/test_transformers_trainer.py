@@ -9,14 +9,12 @@ Triton interpreter runs each test in seconds.
 
 import pytest
 import torch
+import transformers  # a dev dependency: its absence is a failure, not a skip
+from test_transformers import decoder, hf_model
 
-transformers = pytest.importorskip("transformers")
-
-from test_transformers import decoder, hf_model  # noqa: E402
-
-from rl_engine.errors import UsageError  # noqa: E402
-from rl_engine.integrations.transformers import patch, selected_logprobs  # noqa: E402
-from rl_engine.rollout import Request, RolloutEngine, SamplingParams  # noqa: E402
+from rl_engine.errors import UsageError
+from rl_engine.integrations.transformers import patch, selected_logprobs
+from rl_engine.rollout import Request, RolloutEngine, SamplingParams
 
 MICRO = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
          "num_key_value_heads": 1, "head_dim": 16}

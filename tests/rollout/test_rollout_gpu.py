@@ -29,7 +29,7 @@ def _requests(model, arrivals):
     out = []
     for i, (n, arrival) in enumerate(zip(PROMPT_LENGTHS, arrivals)):
         prompt = tuple(torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist())
-        params = SamplingParams(temperature=0.8, top_p=0.95, top_k=50 if i % 2 else None, max_new_tokens=24, seed=i)
+        params = SamplingParams(temperature=0.8, top_p=0.95, top_k=50 if i % 2 else 0, max_new_tokens=24, seed=i)
         out.append(Request(i, prompt, params, arrival=arrival))
     return out
 

@@ -40,3 +40,54 @@ def test_one_failing_op_or_no_ops_fails_the_gate():
     green = suite("140 passed in 50.0s")
     assert not gpu_gate.gate_passed(green, OPS_OK + [{"op": "rope", "dtype": "fp32", "passed": False}])
     assert not gpu_gate.gate_passed(green, [])
+
+
+def test_check_ops_covers_every_record_layout_and_dtype(tmp_path, monkeypatch):
+    """The gate's op list is the records': every op in every layout, bf16 and fp32, with --check-grad
+    exactly where the op has a backward; one op's error does not stop the others."""
+    from rl_engine.kernels.gtest import check_op
+    from rl_engine.kernels.records import OPS
+
+    calls = []
+
+    def fake_run(args):
+        calls.append((args.op, args.layout, args.dtype, args.check_grad))
+        if args.op == "rope":
+            raise RuntimeError("planted")
+        return 0
+
+    monkeypatch.setattr(check_op, "run", fake_run)
+    with open(tmp_path / "log", "w") as fh:
+        rows = gpu_gate.check_ops(tmp_path, fh)
+    expected = {(op, layout, dtype, bool(r.grad_input_names))
+                for op, r in OPS.items() for layout in r.layouts for dtype in ("bf16", "fp32")}
+    assert set(calls) == expected and len(calls) == len(expected)
+    assert ("attention", "packed", "bf16", True) in expected
+    assert [r["passed"] for r in rows if r["op"] == "rope"] == [False, False]
+    assert not gpu_gate.gate_passed(suite("140 passed in 50.0s"), rows)
+
+
+def test_a_whole_gate_run_writes_its_summary_and_verdict(tmp_path, monkeypatch, capsys):
+    """main() end to end with the GPU parts faked: the verdict names the device from the shared
+    environment record (a KeyError there would lose a whole GPU run's verdict)."""
+    import subprocess
+    import sys
+
+    import torch
+
+    def fake_pytest(out, workers):
+        return subprocess.Popen([sys.executable, "-c", "print('140 passed in 1.0s')"],
+                                stdout=open(out / "pytest_gpu.log", "w"), start_new_session=True)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    real_environment = gpu_gate.environment
+    monkeypatch.setattr(gpu_gate, "environment", lambda commit: real_environment(commit, device="cpu"))
+    monkeypatch.setattr(gpu_gate, "check_ops", lambda out, fh: list(OPS_OK))
+    monkeypatch.setattr(gpu_gate, "start_pytest", fake_pytest)
+    monkeypatch.setattr(sys, "argv", ["gpu_gate.py", "--out", str(tmp_path / "gate"), "--commit", "abc1234"])
+    assert gpu_gate.main() == 0
+    summary = __import__("json").loads((tmp_path / "gate" / "gpu_gate_summary.json").read_text())
+    assert summary["passed"] and summary["environment"]["commit"] == "abc1234"
+    assert "GPU gate PASSED: pytest -m gpu 140 passed" in capsys.readouterr().out
+

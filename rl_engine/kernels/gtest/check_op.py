@@ -14,8 +14,9 @@ import torch
 from rl_engine.errors import UsageError
 from rl_engine.kernels.gtest.op_checks import GRAD_MODES, run_operator_suite
 from rl_engine.kernels.gtest.operator_inputs import INPUT_MODES, QWEN3_8B, OperatorDims
-from rl_engine.kernels.gtest.operator_specs import OP_SPECS, get_spec, make_candidate, make_operator_case
+from rl_engine.kernels.gtest.operator_specs import get_spec, make_candidate, make_operator_case
 from rl_engine.kernels.gtest.tolerance import DTYPES, ContractError, load_contract
+from rl_engine.kernels.records import OPS
 from rl_engine.outputs import check_writable, write_atomic
 
 # flag -> OperatorDims field; the defaults live in OperatorDims, so the flags default to None.
@@ -26,7 +27,7 @@ DIM_FLAGS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--op", help=f"operator: {', '.join(OP_SPECS)}")
+    parser.add_argument("--op", help=f"operator: {', '.join(OPS)}")
     parser.add_argument("--candidate", default="pytorch",
                         help="pytorch (default: the smoke test), triton, or module:attr: your own function or class "
                              "(constructed like the gold op), called with the op's inputs as keywords")
@@ -87,7 +88,7 @@ def dims_from_args(args) -> OperatorDims:
 
 def list_operators() -> str:
     lines = []
-    for spec in OP_SPECS.values():
+    for spec in OPS.values():
         grads = ",".join(spec.grad_input_names) or "none (forward only)"
         lines.append(
             f"{spec.name} class={spec.op_class} gold={spec.gold_path} candidates={','.join(spec.candidate_paths)} "
@@ -103,7 +104,7 @@ def run(args) -> int:
     if args.json_out:
         check_writable(args.json_out, "--json-out")
     if not args.op:
-        raise UsageError(f"--op is required; valid ops: {', '.join(OP_SPECS)}")
+        raise UsageError(f"--op is required; valid ops: {', '.join(OPS)}")
     spec = get_spec(args.op)
     if args.layout is not None and args.layout not in spec.layouts:
         raise UsageError(f"--layout {args.layout}: op {args.op} takes {', '.join(spec.layouts)}")

@@ -11,15 +11,12 @@ from rl_engine.errors import UsageError
 from rl_engine.kernels.gtest.op_checks import CandidateSpec, OperatorCase
 from rl_engine.kernels.gtest.operator_inputs import INPUT_BUILDERS, OperatorDims, make_operator_inputs, shape_name
 from rl_engine.kernels.gtest.tolerance import DTYPES, dtype_key
-from rl_engine.kernels.records import GOLD_PACKAGE, OP_CLASSES, OPS, OpRecord
+from rl_engine.kernels.records import OPS, OpRecord
 from rl_engine.loading import load_callable
-
-OP_SPECS: dict[str, OpRecord] = OPS
-__all__ = ["GOLD_PACKAGE", "OP_CLASSES", "OP_SPECS"]
 
 
 def _validate_specs() -> None:
-    for spec in OP_SPECS.values():
+    for spec in OPS.values():
         if spec.name not in INPUT_BUILDERS:
             raise ValueError(f"{spec.name}: no input builder in operator_inputs")
 
@@ -28,13 +25,13 @@ _validate_specs()
 
 
 def operator_names() -> list[str]:
-    return list(OP_SPECS)
+    return list(OPS)
 
 
 def get_spec(op: str) -> OpRecord:
-    if op not in OP_SPECS:
-        raise UsageError(f"unknown op {op!r}; valid ops: {', '.join(OP_SPECS)}")
-    return OP_SPECS[op]
+    if op not in OPS:
+        raise UsageError(f"unknown op {op!r}; valid ops: {', '.join(OPS)}")
+    return OPS[op]
 
 
 def _constructor_kwargs(spec: OpRecord, dims: OperatorDims) -> dict:

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from rl_engine import cli
-from rl_engine.kernels.gtest import operator_specs
-from rl_engine.kernels.gtest.operator_specs import OP_SPECS
+from rl_engine.kernels import records
 from rl_engine.kernels.gtest.tolerance import load_contract
+from rl_engine.kernels.records import OPS
 
 ROOT = Path(__file__).resolve().parents[3]
 FIRST_LINE = re.compile(r"^suite=(\w+) passed=(True|False) pass_rate=(\d\.\d{4})$")
@@ -37,9 +37,9 @@ def test_the_seeds_smoke_command_passes(capsys):
     assert lines[2].startswith("  case=logp-fp32-1x2x17 output=0 role=output judgment=forward_accuracy shape=(1, 2)")
 
 
-@pytest.mark.parametrize("op", list(OP_SPECS))
+@pytest.mark.parametrize("op", list(OPS))
 def test_grad_invariance_and_json_work_for_every_op(capsys, op):
-    has_backward = bool(OP_SPECS[op].grad_input_names)
+    has_backward = bool(OPS[op].grad_input_names)
     grad = ["--check-grad"] if has_backward else []
     code, out, _ = check_op(capsys, "--op", op, "--dtype", "bf16", *grad, "--check-invariance", "--json", *SMALL)
     report = json.loads(out)
@@ -52,13 +52,13 @@ def test_grad_invariance_and_json_work_for_every_op(capsys, op):
 
 
 def test_kv_cache_attention_is_declared_forward_only():
-    assert OP_SPECS["kv_cache_attention"].grad_input_names == ()
-    assert all(spec.grad_input_names for name, spec in OP_SPECS.items() if name != "kv_cache_attention")
+    assert OPS["kv_cache_attention"].grad_input_names == ()
+    assert all(spec.grad_input_names for name, spec in OPS.items() if name != "kv_cache_attention")
 
 
 def test_check_grad_is_refused_by_the_spec_not_by_the_name(capsys, monkeypatch):
     # silu has a backward; declared forward-only, --check-grad must be refused for it too.
-    monkeypatch.setitem(operator_specs.OP_SPECS, "silu", dataclasses.replace(OP_SPECS["silu"], grad_input_names=()))
+    monkeypatch.setitem(records.OPS, "silu", dataclasses.replace(OPS["silu"], grad_input_names=()))
     code, out, err = check_op(capsys, "--op", "silu", "--check-grad", *SMALL)
     assert code == 2 and not out and err.strip().endswith("silu has no backward (an inference op); drop --check-grad")
 
@@ -97,7 +97,7 @@ def test_json_out_writes_the_report(capsys, tmp_path):
 
 def test_list_names_every_op(capsys):
     code, out, _ = check_op(capsys, "--list")
-    assert code == 0 and [line.split()[0] for line in out.splitlines()] == list(OP_SPECS)
+    assert code == 0 and [line.split()[0] for line in out.splitlines()] == list(OPS)
 
 
 def _bad_contract(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rl_engine.kernels.gtest.operator_inputs import QWEN3_8B, OperatorDims, make_operator_inputs
-from rl_engine.kernels.gtest.operator_specs import OP_SPECS
+from rl_engine.kernels.records import OPS
 from rl_engine.loading import load_callable
 
 DIMS = OperatorDims(batch=2, seq=3, vocab=11, normalized_dim=8, intermediate=6, n_heads=4, n_kv_heads=2,
@@ -31,7 +31,7 @@ EXPECTED_SHAPES = {
 
 
 def test_every_declared_op_has_expected_inputs():
-    assert set(EXPECTED_SHAPES) == set(OP_SPECS)
+    assert set(EXPECTED_SHAPES) == set(OPS)
 
 
 @pytest.mark.parametrize("op", list(EXPECTED_SHAPES))
@@ -41,7 +41,7 @@ def test_inputs_have_semantic_shapes_and_the_gold_accepts_them(op, mode):
     assert {k: tuple(v.shape) for k, v in inputs.items()} == EXPECTED_SHAPES[op]
     for value in inputs.values():
         assert value.dtype == torch.bfloat16 or not value.is_floating_point()
-    spec = OP_SPECS[op]
+    spec = OPS[op]
     gold = load_callable(spec.gold_path, "gold op", **{k: getattr(DIMS, k) for k in spec.constructor_dims})
     out = gold(**inputs)
     assert torch.isfinite(out).all()

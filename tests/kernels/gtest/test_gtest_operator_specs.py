@@ -6,15 +6,10 @@ import pytest
 import torch
 
 from rl_engine.errors import UsageError
-from rl_engine.kernels.gtest import operator_specs
+from rl_engine.kernels import records
 from rl_engine.kernels.gtest.op_checks import CandidateSpec, run_operator_suite
-from rl_engine.kernels.gtest.operator_specs import (
-    GOLD_PACKAGE,
-    OP_SPECS,
-    make_candidate,
-    make_operator_case,
-    operator_names,
-)
+from rl_engine.kernels.gtest.operator_specs import make_candidate, make_operator_case, operator_names
+from rl_engine.kernels.records import GOLD_PACKAGE, OPS
 
 ALL_OPS = operator_names()
 DTYPES = ["fp32", "bf16", "fp16"]
@@ -28,7 +23,7 @@ ROW_LOCAL_GOLDS = ["logp", "rms_norm", "silu", "swiglu", "rope", "embedding"]
 
 def test_declarations_cover_every_op_with_gold_in_the_pytorch_package():
     assert len(ALL_OPS) == 12
-    for spec in OP_SPECS.values():
+    for spec in OPS.values():
         assert spec.gold_path.startswith(GOLD_PACKAGE + ".")
         assert spec.candidate_paths["pytorch"] == spec.gold_path
         assert spec.candidate_paths["triton"].startswith("rl_engine.kernels.ops.triton.")
@@ -45,8 +40,8 @@ def test_unknown_op_and_candidate_list_the_valid_names():
 
 
 def test_a_candidate_module_that_does_not_import_is_a_one_line_usage_error(monkeypatch):
-    spec = dataclasses.replace(OP_SPECS["silu"], module="nowhere.silu")
-    monkeypatch.setitem(operator_specs.OP_SPECS, "silu", spec)
+    spec = dataclasses.replace(OPS["silu"], module="nowhere.silu")
+    monkeypatch.setitem(records.OPS, "silu", spec)
     with pytest.raises(UsageError) as info:
         make_candidate("silu", "triton")
     message = str(info.value)
@@ -67,7 +62,7 @@ def test_constructor_dims_reach_the_op():
 def test_pytorch_candidate_passes_forward_and_gradient(op, dtype):
     case = make_operator_case(op, dtype=dtype)
     check_invariance = op in ROW_LOCAL_GOLDS
-    check_grad = bool(OP_SPECS[op].grad_input_names)
+    check_grad = bool(OPS[op].grad_input_names)
     report = run_operator_suite(op, candidates=[make_candidate(op, "pytorch")], cases=[case], check_grad=check_grad,
                                 check_invariance=check_invariance)
     assert report.passed, report.to_text()
