@@ -50,6 +50,15 @@ def check_interpreter_versions(triton_version: str | None = None, numpy_version:
 check_interpreter_versions()
 
 
+def needs_custom_op(*tensors) -> bool:
+    """Whether a call must go through its torch custom op: autograd will need its backward, or
+    torch.compile is tracing. Otherwise the kernel is called directly: a custom op's dispatch alone
+    costs about 10 us of host time per call, as much as the rest of a launch."""
+    import torch
+
+    return torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 def dot_fp32(dtype) -> bool:
     """Whether a kernel must upcast `tl.dot` operands of this dtype to fp32 (interpreter only)."""
     import torch

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from rl_engine.kernels.ops.pytorch.activation.silu import NativeSiluOp
 from rl_engine.kernels.ops.pytorch.base import expect_float
-from rl_engine.kernels.ops.triton.runtime import cast_rne
+from rl_engine.kernels.ops.triton.runtime import cast_rne, needs_custom_op
 
 # Elements per program and warps: fixed, so a tensor's bits never depend on its size.
 BLOCK = 4096
@@ -57,23 +57,46 @@ def silu_backward(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return dx
 
 
-class _SiluFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        ctx.save_for_backward(x)
-        return silu_forward(x)
+# Forward and backward are torch custom ops (fake + autograd registered), so torch.compile traces them.
+@torch.library.custom_op("rl_engine::silu", mutates_args=())
+def silu_op(x: torch.Tensor) -> torch.Tensor:
+    """silu of any float tensor (torch.ops.rl_engine.silu); differentiable."""
+    return silu_forward(x.contiguous())
 
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        (x,) = ctx.saved_tensors
-        return silu_backward(dy.contiguous(), x)
+
+@silu_op.register_fake
+def _silu_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("rl_engine::silu_backward", mutates_args=())
+def silu_backward_op(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return silu_backward(dy.contiguous(), x.contiguous())
+
+
+@silu_backward_op.register_fake
+def _(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _silu_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[0])
+
+
+def _silu_backward(ctx, dy: torch.Tensor):
+    (x,) = ctx.saved_tensors
+    return silu_backward_op(dy, x)
+
+
+silu_op.register_autograd(_silu_backward, setup_context=_silu_setup_context)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     """x · sigmoid(x) for any shape; returns x's dtype."""
     expect_float("x", x, "of any shape")
-    return _SiluFunction.apply(x)
+    if not needs_custom_op(x):
+        return silu_forward(x.contiguous())
+    return silu_op(x)
 
 
 class TritonSiluOp:

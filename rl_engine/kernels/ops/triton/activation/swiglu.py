@@ -13,7 +13,7 @@ import triton.language as tl
 
 from rl_engine.kernels.ops.pytorch.activation.swiglu import NativeSwigluOp
 from rl_engine.kernels.ops.pytorch.base import expect_float
-from rl_engine.kernels.ops.triton.runtime import cast_rne
+from rl_engine.kernels.ops.triton.runtime import cast_rne, needs_custom_op
 
 # Elements per program and warps: fixed, so a tensor's bits never depend on its size.
 BLOCK = 4096
@@ -64,17 +64,39 @@ def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
     return dgate, dup
 
 
-class _SwigluFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate.contiguous(), up.contiguous()
-        ctx.save_for_backward(gate, up)
-        return swiglu_forward(gate, up)
+# Forward and backward are torch custom ops (fake + autograd registered), so torch.compile traces them.
+@torch.library.custom_op("rl_engine::swiglu", mutates_args=())
+def swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up (torch.ops.rl_engine.swiglu); differentiable."""
+    return swiglu_forward(gate.contiguous(), up.contiguous())
 
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        gate, up = ctx.saved_tensors
-        return swiglu_backward(dy.contiguous(), gate, up)
+
+@swiglu_op.register_fake
+def _(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("rl_engine::swiglu_backward", mutates_args=())
+def swiglu_backward_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return swiglu_backward(dy.contiguous(), gate.contiguous(), up.contiguous())
+
+
+@swiglu_backward_op.register_fake
+def _(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    fmt = torch.contiguous_format
+    return torch.empty_like(gate, memory_format=fmt), torch.empty_like(up, memory_format=fmt)
+
+
+def _swiglu_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_backward(ctx, dy: torch.Tensor):
+    gate, up = ctx.saved_tensors
+    return swiglu_backward_op(dy, gate, up)
+
+
+swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup_context)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -83,7 +105,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"up: expected the shape of gate {tuple(gate.shape)}, got {tuple(up.shape)}")
     expect_float("gate", gate, "of any shape")
     expect_float("up", up, "of gate's shape")
-    return _SwigluFunction.apply(gate, up)
+    if not needs_custom_op(gate, up):
+        return swiglu_forward(gate.contiguous(), up.contiguous())
+    return swiglu_op(gate, up)
 
 
 class TritonSwigluOp:

@@ -21,25 +21,9 @@ from rl_engine.kernels.ops.triton.attention.flash import (
     NO_WINDOW,
     SequenceTable,
     default_scale,
-    flash_backward,
-    flash_forward,
+    flash_attention_op,
     sequence_table,
 )
-
-
-class _FlashAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, table: SequenceTable, causal: bool, scale: float):
-        out, lse = flash_forward(q, k, v, table, causal=causal, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.table, ctx.causal, ctx.scale = table, causal, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, d_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = flash_backward(d_out, q, k, v, out, lse, ctx.table, causal=ctx.causal, scale=ctx.scale)
-        return dq, dk, dv, None, None, None
 
 
 def _integer_vector(name: str, t, length: int, meaning: str) -> torch.Tensor:
@@ -116,7 +100,8 @@ def triton_attention(q, k, v, *, causal: bool = True, scale: float | None = None
     _check_same_dtype(q, k, v)
     head_dim = q4.shape[3]
     rows = [t.reshape(-1, t.shape[2], t.shape[3]).contiguous() for t in (q4, k4, v4)]
-    out = _FlashAttention.apply(*rows, table, causal, default_scale(head_dim, scale))
+    out, _ = flash_attention_op(*rows, table.info, table.max_q_count, table.max_kv_len, causal,
+                                default_scale(head_dim, scale), 1)
     return out.reshape(q.shape)
 
 

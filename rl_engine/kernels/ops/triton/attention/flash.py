@@ -572,3 +572,55 @@ def flash_backward(do, q, k, v, out, lse, table: SequenceTable, *, causal: bool,
 
 def default_scale(head_dim: int, scale: float | None) -> float:
     return float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
+
+
+# --------------------------------------------------------------------------------------------------
+# torch custom ops (fake + autograd registered), so torch.compile traces them. The sequence table
+# travels as its tensor and its two host bounds (custom-op arguments are tensors and scalars).
+
+
+@torch.library.custom_op("rl_engine::flash_attention", mutates_args=())
+def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: torch.Tensor, max_q_count: int,
+                       max_kv_len: int, causal: bool, scale: float,
+                       heads_per_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_forward (torch.ops.rl_engine.flash_attention): (out, lse); differentiable in out when
+    heads_per_tile = 1."""
+    table = SequenceTable(info, max_q_count, max_kv_len)
+    return flash_forward(q, k, v, table, causal=causal, scale=scale, heads_per_tile=heads_per_tile)
+
+
+@flash_attention_op.register_fake
+def _(q, k, v, info, max_q_count, max_kv_len, causal, scale, heads_per_tile):
+    _check_rows(q, k, v)
+    return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("rl_engine::flash_attention_backward", mutates_args=())
+def flash_attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                out: torch.Tensor, lse: torch.Tensor, info: torch.Tensor, max_q_count: int,
+                                max_kv_len: int, causal: bool,
+                                scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    table = SequenceTable(info, max_q_count, max_kv_len)
+    return flash_backward(do, q, k, v, out, lse, table, causal=causal, scale=scale)
+
+
+@flash_attention_backward_op.register_fake
+def _(do, q, k, v, out, lse, info, max_q_count, max_kv_len, causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _flash_setup_context(ctx, inputs, output) -> None:
+    q, k, v, info, ctx.max_q_count, ctx.max_kv_len, ctx.causal, ctx.scale, ctx.heads_per_tile = inputs
+    ctx.save_for_backward(q, k, v, info, *output)
+
+
+def _flash_backward(ctx, d_out: torch.Tensor, _d_lse):
+    if ctx.heads_per_tile != 1:
+        raise ValueError("flash_attention: the backward needs heads_per_tile = 1")
+    q, k, v, info, out, lse = ctx.saved_tensors
+    dq, dk, dv = flash_attention_backward_op(d_out, q, k, v, out, lse, info, ctx.max_q_count, ctx.max_kv_len,
+                                             ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+flash_attention_op.register_autograd(_flash_backward, setup_context=_flash_setup_context)

@@ -20,7 +20,7 @@ from rl_engine.kernels.ops.pytorch.attention.kv_cache_attention import NativeKvC
 from rl_engine.kernels.ops.triton.attention.flash import (
     attention_config,
     default_scale,
-    flash_forward,
+    flash_attention_op,
     sequence_table,
 )
 
@@ -56,10 +56,11 @@ def triton_kv_cache_attention(q, k_cache, v_cache, cache_seqlens, *, scale: floa
     )
     block_m = attention_config(q.dtype, d).forward.block_m
     rows = [t.reshape(-1, t.shape[2], t.shape[3]).contiguous() for t in (q, k_cache, v_cache)]
-    out, _ = flash_forward(
-        *rows, table, causal=True, scale=default_scale(d, scale),
-        heads_per_tile=_heads_per_tile(hq // hkv, block_m, sq),
-    )
+    with torch.no_grad():  # forward only: cached rows past a length are not covered by the table
+        out, _ = flash_attention_op(
+            *rows, table.info, table.max_q_count, table.max_kv_len, True, default_scale(d, scale),
+            _heads_per_tile(hq // hkv, block_m, sq),
+        )
     return out.reshape(q.shape)
 
 

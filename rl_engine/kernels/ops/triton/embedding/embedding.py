@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from rl_engine.kernels.ops.pytorch.embedding.embedding import NativeEmbeddingOp
-from rl_engine.kernels.ops.triton.runtime import cast_rne
+from rl_engine.kernels.ops.triton.runtime import cast_rne, needs_custom_op
 
 
 @triton.jit
@@ -148,20 +148,44 @@ def embedding_backward(grad_out: torch.Tensor, ids: torch.Tensor, vocab: int, dt
     return grad_weight
 
 
-class _EmbeddingFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, token_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ids = token_ids.reshape(-1).contiguous()
-        out = embedding_forward(ids, weight.contiguous())
-        ctx.save_for_backward(ids)
-        ctx.vocab, ctx.weight_dtype = weight.shape[0], weight.dtype
-        return out.reshape(*token_ids.shape, weight.shape[1])
+# Forward and backward are torch custom ops (fake + autograd registered), so torch.compile traces them.
+@torch.library.custom_op("rl_engine::embedding", mutates_args=())
+def embedding_op(token_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """weight[token_ids] (torch.ops.rl_engine.embedding); differentiable in weight."""
+    out = embedding_forward(token_ids.reshape(-1).contiguous(), weight.contiguous())
+    return out.reshape(*token_ids.shape, weight.shape[1])
 
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        (ids,) = ctx.saved_tensors
-        grad_rows = grad_out.reshape(ids.numel(), grad_out.shape[-1]).contiguous()  # not -1: 0 tokens
-        return None, embedding_backward(grad_rows, ids, ctx.vocab, ctx.weight_dtype)
+
+@embedding_op.register_fake
+def _(token_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return weight.new_empty((*token_ids.shape, weight.shape[1]))
+
+
+@torch.library.custom_op("rl_engine::embedding_backward", mutates_args=())
+def embedding_backward_op(grad_out: torch.Tensor, token_ids: torch.Tensor, vocab: int,
+                          dtype: torch.dtype) -> torch.Tensor:
+    ids = token_ids.reshape(-1).contiguous()
+    grad_rows = grad_out.reshape(ids.numel(), grad_out.shape[-1]).contiguous()  # not -1: 0 tokens
+    return embedding_backward(grad_rows, ids, vocab, dtype)
+
+
+@embedding_backward_op.register_fake
+def _(grad_out, token_ids, vocab, dtype) -> torch.Tensor:
+    return grad_out.new_empty((vocab, grad_out.shape[-1]), dtype=dtype)
+
+
+def _embedding_setup_context(ctx, inputs, output) -> None:
+    token_ids, weight = inputs
+    ctx.save_for_backward(token_ids)
+    ctx.vocab, ctx.weight_dtype = weight.shape[0], weight.dtype
+
+
+def _embedding_backward(ctx, grad_out: torch.Tensor):
+    (token_ids,) = ctx.saved_tensors
+    return None, embedding_backward_op(grad_out, token_ids, ctx.vocab, ctx.weight_dtype)
+
+
+embedding_op.register_autograd(_embedding_backward, setup_context=_embedding_setup_context)
 
 
 def embedding(token_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -173,11 +197,11 @@ def embedding(token_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"weight: expected shape [V,H], got {tuple(weight.shape)}")
     if token_ids.is_floating_point():
         raise ValueError(f"token_ids: expected integer ids, got dtype {token_ids.dtype}")
-    if not (weight.requires_grad and torch.is_grad_enabled()):
-        # Without autograd: the kernel alone, no autograd.Function (its host cost shows at small shapes).
+    if not needs_custom_op(weight):
+        # Without autograd: the kernel alone, no custom op (its host cost shows at small shapes).
         out = embedding_forward(token_ids.reshape(-1).contiguous(), weight.contiguous())
         return out.reshape(*token_ids.shape, weight.shape[1])
-    return _EmbeddingFunction.apply(token_ids, weight)
+    return embedding_op(token_ids, weight)
 
 
 class TritonEmbeddingOp:

@@ -40,7 +40,7 @@ from triton._utils import validate_block_shape
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rl_engine.kernels.ops.pytorch.linear.matmul import NativeMatmulOp
-from rl_engine.kernels.ops.triton.runtime import dot_fp32, interpreting
+from rl_engine.kernels.ops.triton.runtime import dot_fp32, interpreting, needs_custom_op
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,13 +410,6 @@ def _mm_backward(ctx, grad_c: torch.Tensor):
 
 
 batch_invariant_mm_op.register_autograd(_mm_backward, setup_context=_mm_setup_context)
-
-
-def needs_custom_op(*tensors: torch.Tensor) -> bool:
-    """Whether a call must go through the torch custom op: autograd will need its backward, or
-    torch.compile is tracing. Otherwise the GEMM is called directly: the op's dispatch alone costs
-    about 10 us of host time per call, as much as the rest of a launch."""
-    return torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 def triton_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

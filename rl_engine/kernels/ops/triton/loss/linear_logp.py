@@ -323,44 +323,79 @@ def _backward(hidden, weight, bias, targets, lse, grad_out, cfg, need_hidden, ne
     return grad_hidden, grad_weight, grad_bias
 
 
-class _LinearLogpFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, target_ids, bias):
-        batch_shape, h = hidden.shape[:-1], hidden.shape[-1]
-        dtype = torch.promote_types(hidden.dtype, weight.dtype)
-        rows = hidden.reshape(-1, h).to(dtype)
-        w = weight.to(dtype)
-        targets = target_ids.reshape(-1).contiguous()
-        cfg = config(dtype)
-        if rows.shape[0]:
-            logp, lse = _forward(rows, w, bias, targets, cfg)
-        else:
-            logp = lse = rows.new_empty(0, dtype=torch.float32)
-        ctx.save_for_backward(rows, w, bias, targets, lse)
-        ctx.shapes = (hidden.shape, hidden.dtype, weight.dtype)
-        return logp.reshape(batch_shape)
+# Forward and backward are torch custom ops (fake + autograd registered), so torch.compile traces them.
+@torch.library.custom_op("rl_engine::linear_logp", mutates_args=())
+def linear_logp_op(hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tensor,
+                   bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 logp [B,S], fp32 logsumexp [B*S]) (torch.ops.rl_engine.linear_logp); differentiable in logp."""
+    batch_shape, h = hidden.shape[:-1], hidden.shape[-1]
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    rows = hidden.reshape(-1, h).to(dtype)
+    targets = target_ids.reshape(-1).contiguous()
+    if rows.shape[0]:
+        logp, lse = _forward(rows, weight.to(dtype), bias, targets, config(dtype))
+    else:
+        logp = lse = rows.new_empty(0, dtype=torch.float32)
+    return logp.reshape(batch_shape), lse
 
-    @staticmethod
-    def backward(ctx, grad_logp):
-        rows, w, bias, targets, lse = ctx.saved_tensors
-        hidden_shape, hidden_dtype, weight_dtype = ctx.shapes
-        need_hidden, need_weight, _, need_bias = ctx.needs_input_grad
-        if rows.shape[0] == 0:
-            return (
-                torch.zeros(hidden_shape, dtype=hidden_dtype, device=rows.device) if need_hidden else None,
-                torch.zeros_like(w, dtype=weight_dtype) if need_weight else None,
-                None,
-                torch.zeros_like(bias) if need_bias else None,
-            )
-        grad_out = grad_logp.reshape(-1).to(torch.float32).contiguous()
-        grad_hidden, grad_weight, grad_bias = _backward(
-            rows, w, bias, targets, lse, grad_out, config(rows.dtype), need_hidden, need_weight, need_bias
+
+@linear_logp_op.register_fake
+def _(hidden, weight, target_ids, bias) -> tuple[torch.Tensor, torch.Tensor]:
+    n = hidden.shape[:-1].numel()
+    return hidden.new_empty(hidden.shape[:-1], dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32)
+
+
+@torch.library.custom_op("rl_engine::linear_logp_backward", mutates_args=())
+def linear_logp_backward_op(
+    grad_logp: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tensor,
+    bias: torch.Tensor | None, lse: torch.Tensor, need_hidden: bool, need_weight: bool, need_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_hidden, grad_weight, grad_bias); a gradient not asked for is an empty tensor (ops return no None)."""
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    rows = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
+    if rows.shape[0] == 0:
+        return (
+            hidden.new_zeros(hidden.shape) if need_hidden else hidden.new_empty(0),
+            torch.zeros_like(weight) if need_weight else hidden.new_empty(0),
+            torch.zeros_like(bias) if need_bias else hidden.new_empty(0),
         )
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden.to(hidden_dtype).reshape(hidden_shape)
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight_dtype)
-        return grad_hidden, grad_weight, None, grad_bias
+    grad_out = grad_logp.reshape(-1).to(torch.float32).contiguous()
+    targets = target_ids.reshape(-1).contiguous()
+    grad_hidden, grad_weight, grad_bias = _backward(
+        rows, weight.to(dtype), bias, targets, lse, grad_out, config(dtype), need_hidden, need_weight, need_bias
+    )
+    return (  # separate empty tensors: a custom op's outputs may not alias each other
+        grad_hidden.to(hidden.dtype).reshape(hidden.shape) if need_hidden else hidden.new_empty(0),
+        grad_weight.to(weight.dtype) if need_weight else hidden.new_empty(0),
+        grad_bias if need_bias else hidden.new_empty(0),
+    )
+
+
+@linear_logp_backward_op.register_fake
+def _(grad_logp, hidden, weight, target_ids, bias, lse, need_hidden, need_weight, need_bias):
+    return (  # grad_hidden is built contiguous; grad_weight and grad_bias by empty_like/zeros_like
+        hidden.new_empty(hidden.shape) if need_hidden else hidden.new_empty(0),
+        torch.empty_like(weight) if need_weight else hidden.new_empty(0),
+        torch.empty_like(bias) if need_bias else hidden.new_empty(0),
+    )
+
+
+def _linear_logp_setup_context(ctx, inputs, output) -> None:
+    hidden, weight, target_ids, bias = inputs
+    ctx.save_for_backward(hidden, weight, target_ids, bias, output[1])
+
+
+def _linear_logp_backward(ctx, grad_logp: torch.Tensor, _grad_lse):
+    hidden, weight, target_ids, bias, lse = ctx.saved_tensors
+    need_hidden, need_weight, _, need_bias = ctx.needs_input_grad
+    grads = linear_logp_backward_op(grad_logp, hidden, weight, target_ids, bias, lse,
+                                    need_hidden, need_weight, need_bias)
+    grad_hidden, grad_weight, grad_bias = (g if need else None for g, need in
+                                           zip(grads, (need_hidden, need_weight, need_bias), strict=True))
+    return grad_hidden, grad_weight, None, grad_bias
+
+
+linear_logp_op.register_autograd(_linear_logp_backward, setup_context=_linear_logp_setup_context)
 
 
 def _validate(hidden, lm_head_weight, target_ids, bias) -> None:
@@ -382,7 +417,7 @@ def linear_logp(hidden, lm_head_weight, target_ids, bias=None) -> torch.Tensor:
     gives NaN for that token.
     """
     _validate(hidden, lm_head_weight, target_ids, bias)
-    return _LinearLogpFunction.apply(hidden, lm_head_weight, target_ids, bias)
+    return linear_logp_op(hidden, lm_head_weight, target_ids, bias)[0]
 
 
 class TritonLinearLogpOp:

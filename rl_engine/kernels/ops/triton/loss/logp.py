@@ -219,36 +219,62 @@ def _rows(logits: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-class _LogpFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
-        batch_shape, vocab = logits.shape[:-1], logits.shape[-1]
-        rows = _rows(logits)
-        targets = target_ids.reshape(-1).contiguous()
-        n = rows.shape[0]
-        logp = torch.empty(n, dtype=torch.float32, device=logits.device)
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        cfg = _forward_config(logits.dtype, vocab)
-        if n:
-            _logp_forward_kernel[(n,)](rows, targets, logp, lse, rows.stride(0), vocab, **cfg)
-        ctx.save_for_backward(rows, targets, lse)
-        ctx.logits_shape = logits.shape
-        return logp.reshape(batch_shape)
+# Forward and backward are torch custom ops (fake + autograd registered), so torch.compile traces them.
+@torch.library.custom_op("rl_engine::logp", mutates_args=())
+def logp_op(logits: torch.Tensor, target_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 logp [B,S], fp32 logsumexp [B*S]) (torch.ops.rl_engine.logp); differentiable in logp."""
+    batch_shape, vocab = logits.shape[:-1], logits.shape[-1]
+    rows = _rows(logits)
+    targets = target_ids.reshape(-1).contiguous()
+    n = rows.shape[0]
+    logp = torch.empty(n, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    cfg = _forward_config(logits.dtype, vocab)
+    if n:
+        _logp_forward_kernel[(n,)](rows, targets, logp, lse, rows.stride(0), vocab, **cfg)
+    return logp.reshape(batch_shape), lse
 
-    @staticmethod
-    def backward(ctx, grad_logp: torch.Tensor):
-        rows, targets, lse = ctx.saved_tensors
-        n, vocab = rows.shape
-        grad_out = grad_logp.reshape(-1).to(torch.float32).contiguous()
-        grad_rows = torch.empty_like(rows)
-        block_v, num_warps = _backward_config(rows.dtype, vocab)
-        if n:
-            _logp_backward_kernel[(n,)](
-                rows, targets, lse, grad_out, grad_rows,
-                rows.stride(0), grad_rows.stride(0), vocab,
-                BLOCK_V=block_v, num_warps=num_warps,
-            )
-        return grad_rows.reshape(ctx.logits_shape), None
+
+@logp_op.register_fake
+def _(logits: torch.Tensor, target_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = logits.shape[:-1].numel()
+    return logits.new_empty(logits.shape[:-1], dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
+
+
+@torch.library.custom_op("rl_engine::logp_backward", mutates_args=())
+def logp_backward_op(grad_logp: torch.Tensor, logits: torch.Tensor, target_ids: torch.Tensor,
+                     lse: torch.Tensor) -> torch.Tensor:
+    rows = _rows(logits)
+    targets = target_ids.reshape(-1).contiguous()
+    n, vocab = rows.shape
+    grad_out = grad_logp.reshape(-1).to(torch.float32).contiguous()
+    grad_rows = torch.empty_like(rows)
+    block_v, num_warps = _backward_config(rows.dtype, vocab)
+    if n:
+        _logp_backward_kernel[(n,)](
+            rows, targets, lse, grad_out, grad_rows,
+            rows.stride(0), grad_rows.stride(0), vocab,
+            BLOCK_V=block_v, num_warps=num_warps,
+        )
+    return grad_rows.reshape(logits.shape)
+
+
+@logp_backward_op.register_fake
+def _(grad_logp, logits, target_ids, lse) -> torch.Tensor:
+    return torch.empty_like(_rows(logits)).reshape(logits.shape)
+
+
+def _logp_setup_context(ctx, inputs, output) -> None:
+    logits, target_ids = inputs
+    ctx.save_for_backward(logits, target_ids, output[1])
+
+
+def _logp_backward(ctx, grad_logp: torch.Tensor, _grad_lse):
+    logits, target_ids, lse = ctx.saved_tensors
+    return logp_backward_op(grad_logp, logits, target_ids, lse), None
+
+
+logp_op.register_autograd(_logp_backward, setup_context=_logp_setup_context)
 
 
 def row_logsumexp(rows: torch.Tensor) -> torch.Tensor:
@@ -267,7 +293,7 @@ def row_logsumexp(rows: torch.Tensor) -> torch.Tensor:
 def logp(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
     """fp32 log-probabilities [B,S] of `target_ids` [B,S] under `logits` [B,S,V] (any float dtype)."""
     _validate(logits, target_ids)
-    return _LogpFunction.apply(logits, target_ids)
+    return logp_op(logits, target_ids)[0]
 
 
 class TritonLogpOp:

@@ -17,7 +17,7 @@ or the program that owns it; the launch configuration depends only on (H, dtype)
 so the dweight summation order depends only on the number of rows, never on the grid.
 Host cost per call is kept small: no copies of contiguous inputs, launch configuration cached per H,
 and without autograd (no_grad, or no input needing a gradient) the forward kernel is launched
-directly, without the autograd.Function.
+directly, without the custom op.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import triton.language as tl
 
 from rl_engine.kernels.ops.pytorch.base import expect_float
 from rl_engine.kernels.ops.pytorch.norm.rms_norm import NativeRmsNormOp
-from rl_engine.kernels.ops.triton.runtime import cast_rne
+from rl_engine.kernels.ops.triton.runtime import cast_rne, needs_custom_op
 
 # Rows per backward program; a constant so that dweight's order never depends on the launch grid.
 ROWS_PER_PROGRAM = 32
@@ -126,21 +126,46 @@ def rms_norm_backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tenso
     return dx, dweight.to(weight.dtype)
 
 
-class _RmsNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        x2d = x.reshape(-1, x.shape[-1]).contiguous()
-        weight = weight.contiguous()
-        y, rstd = rms_norm_forward(x2d, weight, eps)
-        ctx.save_for_backward(x2d, weight, rstd)
-        return y.reshape(x.shape)
+# Forward and backward are torch custom ops (fake + autograd registered), so torch.compile traces them.
+@torch.library.custom_op("rl_engine::rms_norm", mutates_args=())
+def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y in x's shape and dtype, rstd [N] fp32) (torch.ops.rl_engine.rms_norm); differentiable in y."""
+    y, rstd = rms_norm_forward(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), eps)
+    return y.reshape(x.shape), rstd
 
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        x2d, weight, rstd = ctx.saved_tensors
-        dy2d = dy.reshape(x2d.shape).contiguous()
-        dx, dweight = rms_norm_backward(dy2d, x2d, weight, rstd)
-        return dx.reshape(dy.shape), dweight, None
+
+@rms_norm_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(x.shape[:-1].numel(),
+                                                                                   dtype=torch.float32)
+
+
+@torch.library.custom_op("rl_engine::rms_norm_backward", mutates_args=())
+def rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                         rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x2d = x.reshape(-1, x.shape[-1]).contiguous()
+    dx, dweight = rms_norm_backward(dy.reshape(x2d.shape).contiguous(), x2d, weight.contiguous(), rstd)
+    return dx.reshape(x.shape), dweight
+
+
+@rms_norm_backward_op.register_fake
+def _(dy, x, weight, rstd) -> tuple[torch.Tensor, torch.Tensor]:
+    fmt = torch.contiguous_format
+    return torch.empty_like(x, memory_format=fmt), torch.empty_like(weight, memory_format=fmt)
+
+
+def _rms_norm_setup_context(ctx, inputs, output) -> None:
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _rms_norm_backward(ctx, dy: torch.Tensor, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dweight = rms_norm_backward_op(dy, x, weight, rstd)
+    return dx, dweight, None
+
+
+rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup_context)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -149,11 +174,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
         raise ValueError(f"weight: expected shape [H] = ({x.shape[-1]},), got {tuple(weight.shape)}")
     expect_float("x", x, "[..., H]")
     expect_float("weight", weight, "[H]")
-    if not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled()):
-        # Without autograd: the kernel alone, no autograd.Function (its host cost shows at small shapes).
+    if not needs_custom_op(x, weight):
+        # Without autograd: the kernel alone, no custom op (its host cost shows at small shapes).
         y, _ = rms_norm_forward(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), eps)
         return y.reshape(x.shape)
-    return _RmsNormFunction.apply(x, weight, eps)
+    return rms_norm_op(x, weight, eps)[0]
 
 
 class TritonRmsNormOp:

@@ -24,7 +24,7 @@ All math in fp32, one cast to x's dtype. One program per token (all heads of tha
 bits never depend on the batch or the grid.
 Per-call host work is kept small (it is what the op costs at small shapes): contiguous inputs are not
 copied, the launch configuration is cached per (heads, D), and without autograd (no_grad, or no input
-needing a gradient) the kernel is launched directly, without the autograd.Function. The backward is
+needing a gradient) the kernel is launched directly, without the custom op. The backward is
 exactly one kernel launch.
 """
 
@@ -39,7 +39,7 @@ from triton.language.extra import libdevice
 
 from rl_engine.kernels.ops.pytorch.base import expect_float
 from rl_engine.kernels.ops.pytorch.position.rope import NativeRopeOp
-from rl_engine.kernels.ops.triton.runtime import cast_rne, interpreting
+from rl_engine.kernels.ops.triton.runtime import cast_rne, interpreting, needs_custom_op
 
 
 @triton.jit
@@ -121,16 +121,34 @@ def rope_apply(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     return out
 
 
-class _RopeFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(positions, inv_freq)
-        return rope_apply(x, positions, inv_freq)
+# A torch custom op (fake + autograd registered), so torch.compile traces it. theta's table is looked
+# up inside the op: traced, the cache would be a side effect, and a recomputed table could round differently.
+@torch.library.custom_op("rl_engine::rope", mutates_args=())
+def rope_op(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor | None, theta: float,
+            transpose: bool) -> torch.Tensor:
+    """rope_apply (torch.ops.rl_engine.rope); inv_freq None means theta's table. Differentiable in x."""
+    x, positions = x.contiguous(), positions.contiguous()
+    inv_freq = cached_inv_freq(x.shape[-1], theta, x.device) if inv_freq is None else inv_freq.contiguous()
+    return rope_apply(x, positions, inv_freq, transpose=transpose)
 
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        positions, inv_freq = ctx.saved_tensors
-        return rope_apply(grad_out.contiguous(), positions, inv_freq, transpose=True), None, None
+
+@rope_op.register_fake
+def _(x, positions, inv_freq, theta, transpose) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _rope_setup_context(ctx, inputs, output) -> None:
+    _, positions, inv_freq, ctx.theta, ctx.transpose = inputs
+    ctx.save_for_backward(positions, inv_freq)
+
+
+def _rope_backward(ctx, grad_out: torch.Tensor):
+    """The rotation is orthogonal: its gradient is the transpose rotation."""
+    positions, inv_freq = ctx.saved_tensors
+    return rope_op(grad_out, positions, inv_freq, ctx.theta, not ctx.transpose), None, None, None, None
+
+
+rope_op.register_autograd(_rope_backward, setup_context=_rope_setup_context)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 1e6,
@@ -145,11 +163,11 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 1e6,
     if positions.is_floating_point():
         raise ValueError(f"positions: expected integer positions, got dtype {positions.dtype}")
     expect_float("x", x, "[..., Hh, D]")
+    if needs_custom_op(x):
+        return rope_op(x, positions, inv_freq, theta, False)
     x, positions = x.contiguous(), positions.contiguous()  # no copy when already contiguous
     inv_freq = cached_inv_freq(x.shape[-1], theta, x.device) if inv_freq is None else inv_freq.contiguous()
-    if not (x.requires_grad and torch.is_grad_enabled()):
-        return rope_apply(x, positions, inv_freq)
-    return _RopeFunction.apply(x, positions, inv_freq)
+    return rope_apply(x, positions, inv_freq)
 
 
 class TritonRopeOp:
