@@ -48,7 +48,7 @@ def test_expert_and_token_split():
 @pytest.mark.gpu
 def test_ep_on_nccl_as_many_ranks_as_gpus():
     """The same check through NCCL: EP = 1, 2 on two GPUs; on one GPU, EP = 1 on a one-rank group (the
-    GPU gate admits no skips). Unverified this session (no GPU time)."""
+    GPU gate admits no skips). Passed with two H200s on 2026-11-30 (docs/evidence/gpu_gate_db2f2c1_2gpus.log)."""
     launch = 2 if torch.cuda.device_count() >= 2 else 1
     ep_sizes = (1, 2)[:launch]
     ranks = spawn_group(run_ep_sizes, launch, backend="nccl", device="cuda", args=(SIZES, ep_sizes))

@@ -1,0 +1,99 @@
+"""Compile the attention kernels for the H200 (sm_90a) on a machine without a GPU.
+
+    TRITON_INTERPRET=0 python -m rl_engine.kernels.ops.triton.sm90 [--tile M,N,WARPS,STAGES]
+
+Triton's CPU interpreter runs code that the GPU compiler rejects (head_dim 8 attention once failed
+only on the H200). `triton.compile` with a CUDA target runs the whole GPU pipeline, down to PTX and
+ptxas's machine code, with no GPU present, so CI can see a kernel that will not compile, or whose
+tiles overflow the H200's shared memory, before a device session does. It must run with the
+interpreter off (the interpreter replaces kernels by Python functions); tests start it in a
+subprocess. Prints one JSON object: {"<kind>/<dtype>/<head_dim>": {"shared": bytes, "cubin": bytes,
+"wgmma": count} or {"error": "..."}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+H200_SHARED_BYTES = 227 * 1024
+CASES = [(torch.bfloat16, d) for d in (8, 64, 80, 128, 256)] + [(torch.float32, d) for d in (8, 128, 256)]
+# Launches specialise pointers and integer arguments that are multiples of 16 as 16-byte aligned (what
+# makes loads vectorised and pipelined); these are, at every shape a model runs.
+_ALIGNED = {"Q", "K", "V", "O", "LSE", "SEQ_INFO", "DO", "DELTA", "DQ", "DK", "DV",
+            "stride_qr", "stride_qh", "stride_kr", "stride_kh", "stride_or", "stride_oh", "stride_lr"}
+
+
+def compile_attention(kind: str, dtype: torch.dtype, head_dim: int, tile=None):
+    """The compiled kernel (triton.compile's result) of one attention kernel at its configured tiles."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from rl_engine.kernels.ops.triton.attention import flash
+
+    fn, field = {"forward": (flash._flash_forward_kernel, "forward"),
+                 "dq": (flash._flash_backward_dq_kernel, "backward_dq"),
+                 "dkdv": (flash._flash_backward_dkdv_kernel, "backward_dkdv")}[kind]
+    tile = tile or getattr(flash.attention_config(dtype, head_dim), field)
+    padded = flash.block_d(head_dim)
+    constants = dict(CAUSAL=True, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=padded,
+                     EVEN_D=padded == head_dim, SPLIT=dtype != torch.float32, DOT_FP32=False,
+                     DOT_PRECISION=flash.dot_precision(dtype))
+    element = "*bf16" if dtype == torch.bfloat16 else "*fp32"
+    names = fn.arg_names
+    signature = {}
+    for name in names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name == "SEQ_INFO":
+            signature[name] = "*i32"
+        elif name in ("LSE", "DELTA"):
+            signature[name] = "*fp32"
+        elif name.isupper():
+            signature[name] = element
+        else:
+            signature[name] = "fp32" if name in ("qk_scale", "scale") else "i32"
+    source = ASTSource(fn=fn, signature=signature,
+                       constexprs={(names.index(k),): v for k, v in constants.items()},
+                       attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names if n in _ALIGNED})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": tile.num_warps, "num_stages": tile.num_stages})
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tile", help="force one tile M,N,WARPS,STAGES on every kernel (to test the check)")
+    parser.add_argument("--cases", help="dtype/head_dim list, e.g. bf16/128,fp32/256 (default: all)")
+    args = parser.parse_args(argv)
+    from rl_engine.kernels.ops.triton.runtime import interpreting
+
+    if interpreting():
+        parser.exit(2, "sm90: set TRITON_INTERPRET=0 (the interpreter replaces kernels by Python functions)\n")
+    from rl_engine.kernels.ops.triton.attention.flash import TileConfig
+
+    tile = TileConfig(*map(int, args.tile.split(","))) if args.tile else None
+    cases = CASES
+    if args.cases:
+        dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+        cases = [(dtypes[c.split("/")[0]], int(c.split("/")[1])) for c in args.cases.split(",")]
+    results = {}
+    for dtype, head_dim in cases:
+        for kind in ("forward", "dq", "dkdv"):
+            key = f"{kind}/{'bf16' if dtype == torch.bfloat16 else 'fp32'}/{head_dim}"
+            try:
+                kernel = compile_attention(kind, dtype, head_dim, tile)
+                results[key] = {"shared": kernel.metadata.shared, "cubin": len(kernel.asm.get("cubin", b"")),
+                                "wgmma": kernel.asm["ptx"].count("wgmma.mma_async")}
+            except Exception as exc:  # noqa: BLE001 - a kernel that fails to compile is the finding
+                results[key] = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"}
+            print(f"sm90 {key}: {results[key]}", file=sys.stderr, flush=True)
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""The attention kernels compile for the H200 (sm_90a) here, on the CPU, at every configured tile.
+
+See rl_engine/kernels/ops/triton/sm90.py: the interpreter hides compile failures, ptxas does not.
+One subprocess (the interpreter off) compiles every case; the tests read its report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rl_engine.kernels.ops.triton.sm90 import H200_SHARED_BYTES
+
+# One case per tile class of attention_config: small heads, a padded head (80), the main bf16 tiles,
+# 256-lane heads, and fp32's two classes.
+CASES = ["bf16/8", "bf16/80", "bf16/128", "bf16/256", "fp32/128", "fp32/256"]
+
+
+def run_sm90(*args: str) -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-m", "rl_engine.kernels.ops.triton.sm90", *args],
+                          capture_output=True, text=True, env=env, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def report():
+    return run_sm90("--cases", ",".join(CASES))
+
+
+@pytest.mark.parametrize("kind", ["forward", "dq", "dkdv"])
+@pytest.mark.parametrize("case", CASES)
+def test_attention_compiles_for_the_h200(report, kind, case):
+    result = report[f"{kind}/{case}"]
+    assert "error" not in result, result["error"]
+    assert result["cubin"] > 0, "ptxas produced no machine code"
+    assert result["shared"] <= H200_SHARED_BYTES, result
+    if case.startswith("bf16") and int(case.split("/")[1]) >= 64:
+        assert result["wgmma"] > 0, "bf16 tiles should reach Hopper's asynchronous tensor-core MMA"
+
+
+def test_a_tile_that_overflows_shared_memory_is_caught():
+    # Planted: 128x128 forward tiles with 5 stages at head_dim 256 need far more than 227 KiB.
+    result = run_sm90("--tile", "128,128,8,5", "--cases", "bf16/256")["forward/bf16/256"]
+    assert "error" in result or result["shared"] > H200_SHARED_BYTES, result
+
+
+def test_it_refuses_to_run_under_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "rl_engine.kernels.ops.triton.sm90"], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 2 and "TRITON_INTERPRET=0" in proc.stderr
