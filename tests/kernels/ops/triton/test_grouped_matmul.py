@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl_engine.kernels.ops.triton.linear.matmul import triton_matmul
 from rl_engine.kernels.ops.triton.linear.grouped_matmul import grouped_matmul
+from rl_engine.kernels.ops.triton.linear.matmul import triton_matmul
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
