@@ -1,4 +1,4 @@
-"""Compile the attention kernels for the H200 (sm_90a) on a machine without a GPU.
+"""Compile the attention and grouped-GEMM kernels for the H200 (sm_90a) on a machine without a GPU.
 
     TRITON_INTERPRET=0 python -m rl_engine.kernels.ops.triton.sm90 [--tile M,N,WARPS,STAGES]
 
@@ -7,13 +7,14 @@ only on the H200). `triton.compile` with a CUDA target runs the whole GPU pipeli
 ptxas's machine code, with no GPU present, so CI can see a kernel that will not compile, or whose
 tiles overflow the H200's shared memory, before a device session does. It must run with the
 interpreter off (the interpreter replaces kernels by Python functions); tests start it in a
-subprocess. Prints one JSON object: {"<kind>/<dtype>/<head_dim>": {"shared": bytes, "cubin": bytes,
-"wgmma": count} or {"error": "..."}}.
+subprocess. Prints one JSON object: {"<kind>/<dtype>/<head_dim>" (attention) or "grouped_<kind>/<dtype>":
+{"shared": bytes, "cubin": bytes, "wgmma": count} or {"error": "..."}}.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -24,15 +25,30 @@ CASES = [(torch.bfloat16, d) for d in (8, 64, 80, 128, 256)] + [(torch.float32, 
 # Launches specialise pointers and integer arguments that are multiples of 16 as 16-byte aligned (what
 # makes loads vectorised and pipelined); these are, at every shape a model runs.
 _ALIGNED = {"Q", "K", "V", "O", "LSE", "SEQ_INFO", "DO", "DELTA", "DQ", "DK", "DV",
-            "stride_qr", "stride_qh", "stride_kr", "stride_kh", "stride_or", "stride_oh", "stride_lr"}
+            "stride_qr", "stride_qh", "stride_kr", "stride_kh", "stride_or", "stride_oh", "stride_lr",
+            "a_ptr", "w_ptr", "c_ptr", "g_ptr", "dw_ptr", "tiles_ptr", "starts_ptr", "N",  # "K" is above
+            "stride_am", "stride_we", "stride_wn", "stride_cm", "stride_gm", "stride_de", "stride_dn"}
+# Launches also specialise integer arguments equal to 1 as constants: the unit strides of row-major operands.
+_UNIT_STRIDES = {"stride_ak", "stride_wk", "stride_cn", "stride_gn", "stride_dk"}
 
 
-def compile_attention(kind: str, dtype: torch.dtype, head_dim: int, tile=None):
-    """The compiled kernel (triton.compile's result) of one attention kernel at its configured tiles."""
+def _compile(fn, constants: dict, types, num_warps: int, num_stages: int):
+    """triton.compile of fn for sm_90a; types(name) gives each runtime argument's Triton type."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constants else types(n) for n in names}
+    source = ASTSource(fn=fn, signature=signature,
+                       constexprs={(names.index(k),): v for k, v in constants.items()},
+                       attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names if n in _ALIGNED})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def compile_attention(kind: str, dtype: torch.dtype, head_dim: int, tile=None):
+    """The compiled kernel (triton.compile's result) of one attention kernel at its configured tiles."""
     from rl_engine.kernels.ops.triton.attention import flash
 
     fn, field = {"forward": (flash._flash_forward_kernel, "forward"),
@@ -44,29 +60,54 @@ def compile_attention(kind: str, dtype: torch.dtype, head_dim: int, tile=None):
                      EVEN_D=padded == head_dim, SPLIT=dtype != torch.float32, DOT_FP32=False,
                      DOT_PRECISION=flash.dot_precision(dtype))
     element = "*bf16" if dtype == torch.bfloat16 else "*fp32"
-    names = fn.arg_names
-    signature = {}
-    for name in names:
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name == "SEQ_INFO":
-            signature[name] = "*i32"
-        elif name in ("LSE", "DELTA"):
-            signature[name] = "*fp32"
-        elif name.isupper():
-            signature[name] = element
-        else:
-            signature[name] = "fp32" if name in ("qk_scale", "scale") else "i32"
-    source = ASTSource(fn=fn, signature=signature,
-                       constexprs={(names.index(k),): v for k, v in constants.items()},
-                       attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names if n in _ALIGNED})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": tile.num_warps, "num_stages": tile.num_stages})
+
+    def types(name: str) -> str:
+        if name == "SEQ_INFO":
+            return "*i32"
+        if name in ("LSE", "DELTA"):
+            return "*fp32"
+        if name.isupper():
+            return element
+        return "fp32" if name in ("qk_scale", "scale") else "i32"
+
+    return _compile(fn, constants, types, tile.num_warps, tile.num_stages)
+
+
+def compile_grouped_matmul(kind: str, dtype: torch.dtype):
+    """The grouped GEMM's forward/input-gradient kernel ("matmul") or weight-gradient kernel ("weight_grad")
+    at the tiles its wrapper launches for Qwen3-30B-A3B expert shapes (N = 768, K = 2048)."""
+    from rl_engine.kernels.ops.triton.linear import grouped_matmul as gm
+    from rl_engine.kernels.ops.triton.linear.matmul import matmul_config
+
+    cfg = matmul_config(dtype, 768, 2048)
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    element = "*bf16" if dtype == torch.bfloat16 else "*fp32"
+    if kind == "matmul":
+        fn = gm._grouped_matmul_kernel
+        constants = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_FP32=False,
+                         INPUT_PRECISION=precision)
+    else:
+        fn = gm._grouped_weight_grad_kernel
+        constants = dict(BLOCK_N=min(cfg.block_m, 128), BLOCK_K=min(cfg.block_n, 128), BLOCK_R=cfg.block_k,
+                         DOT_FP32=False, INPUT_PRECISION=precision)
+    constants.update({name: 1 for name in fn.arg_names if name in _UNIT_STRIDES})
+
+    def types(name: str) -> str:
+        if name in ("tiles_ptr", "starts_ptr"):
+            return "*i32"
+        return element if name.endswith("_ptr") else "i32"
+
+    return _compile(fn, constants, types, cfg.num_warps, cfg.num_stages)
+
+
+def _summary(kernel) -> dict:
+    return {"shared": kernel.metadata.shared, "cubin": len(kernel.asm.get("cubin", b"")),
+            "wgmma": kernel.asm["ptx"].count("wgmma.mma_async")}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tile", help="force one tile M,N,WARPS,STAGES on every kernel (to test the check)")
+    parser.add_argument("--tile", help="force one attention tile M,N,WARPS,STAGES (to test the check; skips the GEMMs)")
     parser.add_argument("--cases", help="dtype/head_dim list, e.g. bf16/128,fp32/256 (default: all)")
     args = parser.parse_args(argv)
     from rl_engine.kernels.ops.triton.runtime import interpreting
@@ -81,16 +122,22 @@ def main(argv=None) -> int:
         dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
         cases = [(dtypes[c.split("/")[0]], int(c.split("/")[1])) for c in args.cases.split(",")]
     results = {}
+
+    def record(key, build):
+        try:
+            results[key] = _summary(build())
+        except Exception as exc:  # noqa: BLE001 - a kernel that fails to compile is the finding
+            results[key] = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"}
+        print(f"sm90 {key}: {results[key]}", file=sys.stderr, flush=True)
+
+    if not args.tile:
+        for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+            for kind in ("matmul", "weight_grad"):
+                record(f"grouped_{kind}/{name}", functools.partial(compile_grouped_matmul, kind, dtype))
     for dtype, head_dim in cases:
         for kind in ("forward", "dq", "dkdv"):
             key = f"{kind}/{'bf16' if dtype == torch.bfloat16 else 'fp32'}/{head_dim}"
-            try:
-                kernel = compile_attention(kind, dtype, head_dim, tile)
-                results[key] = {"shared": kernel.metadata.shared, "cubin": len(kernel.asm.get("cubin", b"")),
-                                "wgmma": kernel.asm["ptx"].count("wgmma.mma_async")}
-            except Exception as exc:  # noqa: BLE001 - a kernel that fails to compile is the finding
-                results[key] = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"}
-            print(f"sm90 {key}: {results[key]}", file=sys.stderr, flush=True)
+            record(key, functools.partial(compile_attention, kind, dtype, head_dim, tile))
     print(json.dumps(results))
     return 0
 

@@ -1,4 +1,4 @@
-"""The attention kernels compile for the H200 (sm_90a) here, on the CPU, at every configured tile.
+"""The attention and grouped-GEMM kernels compile for the H200 (sm_90a) here, on the CPU, at their tiles.
 
 See rl_engine/kernels/ops/triton/sm90.py: the interpreter hides compile failures, ptxas does not.
 One subprocess (the interpreter off) compiles every case; the tests read its report.
@@ -42,6 +42,16 @@ def test_attention_compiles_for_the_h200(report, kind, case):
     assert result["shared"] <= H200_SHARED_BYTES, result
     if case.startswith("bf16") and int(case.split("/")[1]) >= 64:
         assert result["wgmma"] > 0, "bf16 tiles should reach Hopper's asynchronous tensor-core MMA"
+
+
+@pytest.mark.parametrize("key", ["grouped_matmul/bf16", "grouped_weight_grad/bf16", "grouped_matmul/fp32",
+                                 "grouped_weight_grad/fp32"])
+def test_grouped_matmul_compiles_for_the_h200(report, key):
+    result = report[key]
+    assert "error" not in result, result["error"]
+    assert result["cubin"] > 0 and result["shared"] <= H200_SHARED_BYTES, result
+    if key.endswith("bf16"):
+        assert result["wgmma"] > 0
 
 
 def test_a_tile_that_overflows_shared_memory_is_caught():
