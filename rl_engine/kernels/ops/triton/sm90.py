@@ -21,10 +21,11 @@ import sys
 import torch
 
 H200_SHARED_BYTES = 227 * 1024
+ATTENTION_KERNELS = ("forward", "forward_partial", "combine", "dq", "dkdv")
 CASES = [(torch.bfloat16, d) for d in (8, 64, 80, 128, 256)] + [(torch.float32, d) for d in (8, 128, 256)]
 # Launches specialise pointers and integer arguments that are multiples of 16 as 16-byte aligned (what
 # makes loads vectorised and pipelined); these are, at every shape a model runs.
-_ALIGNED = {"Q", "K", "V", "O", "LSE", "SEQ_INFO", "DO", "DELTA", "DQ", "DK", "DV",
+_ALIGNED = {"Q", "K", "V", "O", "LSE", "PM", "PL", "PACC", "SEQ_INFO", "DO", "DELTA", "DQ", "DK", "DV",
             "stride_qr", "stride_qh", "stride_kr", "stride_kh", "stride_or", "stride_oh", "stride_lr",
             "a_ptr", "w_ptr", "c_ptr", "g_ptr", "dw_ptr", "tiles_ptr", "starts_ptr", "N",  # "K" is above
             "stride_am", "stride_we", "stride_wn", "stride_cm", "stride_gm", "stride_de", "stride_dn"}
@@ -51,20 +52,28 @@ def compile_attention(kind: str, dtype: torch.dtype, head_dim: int, tile=None):
     """The compiled kernel (triton.compile's result) of one attention kernel at its configured tiles."""
     from rl_engine.kernels.ops.triton.attention import flash
 
+    config = flash.attention_config(dtype, head_dim)
+    padded = flash.block_d(head_dim)
+    element = "*bf16" if dtype == torch.bfloat16 else "*fp32"
+    if kind == "combine":
+        constants = dict(BLOCK_R=flash.COMBINE_BLOCK_R, BLOCK_D=padded)
+        return _compile(flash._split_combine_kernel, constants,
+                        lambda n: element if n == "O" else "*fp32" if n.isupper() else "i32", 4, 1)
     fn, field = {"forward": (flash._flash_forward_kernel, "forward"),
+                 "forward_partial": (flash._flash_forward_kernel, "forward"),
                  "dq": (flash._flash_backward_dq_kernel, "backward_dq"),
                  "dkdv": (flash._flash_backward_dkdv_kernel, "backward_dkdv")}[kind]
-    tile = tile or getattr(flash.attention_config(dtype, head_dim), field)
-    padded = flash.block_d(head_dim)
+    tile = tile or getattr(config, field)
     constants = dict(CAUSAL=True, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=padded,
-                     EVEN_D=padded == head_dim, SPLIT=dtype != torch.float32, DOT_FP32=False,
+                     EVEN_D=padded == head_dim, MASK_SPLIT=dtype != torch.float32, DOT_FP32=False,
                      DOT_PRECISION=flash.dot_precision(dtype))
-    element = "*bf16" if dtype == torch.bfloat16 else "*fp32"
+    if fn is flash._flash_forward_kernel:
+        constants.update(KV_SPLIT=config.kv_split, PARTIAL=kind == "forward_partial")
 
     def types(name: str) -> str:
         if name == "SEQ_INFO":
             return "*i32"
-        if name in ("LSE", "DELTA"):
+        if name in ("LSE", "DELTA", "PM", "PL", "PACC"):
             return "*fp32"
         if name.isupper():
             return element
@@ -135,7 +144,7 @@ def main(argv=None) -> int:
             for kind in ("matmul", "weight_grad"):
                 record(f"grouped_{kind}/{name}", functools.partial(compile_grouped_matmul, kind, dtype))
     for dtype, head_dim in cases:
-        for kind in ("forward", "dq", "dkdv"):
+        for kind in ATTENTION_KERNELS:
             key = f"{kind}/{'bf16' if dtype == torch.bfloat16 else 'fp32'}/{head_dim}"
             record(key, functools.partial(compile_attention, kind, dtype, head_dim, tile))
     print(json.dumps(results))
