@@ -20,6 +20,14 @@ without masks; the others are masked. Both kinds of block run the same instructi
 score (the scale goes in through an explicit fma, never a contraction the compiler may or may not
 make), so a (query, block) pair gives the same bits whichever kind its tile makes it. fp32 skips
 the split (MASK_SPLIT=False): it doubles the compile time of kernels whose speed matters less.
+KV splits (one size per (dtype, head_dim), `AttentionConfig.kv_split`, never chosen from the batch):
+a query's keys are reduced split by split, [0, kv_split), [kv_split, 2·kv_split), …, each split from
+a fresh softmax state, and the splits' states are folded left to right (`_merge_split`, explicit fmas).
+A prefill program folds its splits as it walks them; decode and short chunks, whose one query tile
+would leave the GPU idle, run one program per split (PARTIAL) and fold the same states in the same
+order in `_split_combine_kernel`: the same bits, prefill ≡ packed ≡ chunked ≡ decode, with the
+parallelism of split-KV decoding. Within one split nothing changes, so a sequence shorter than a split
+gets the bits of a kernel without splits.
 The online softmax keeps (m, l, acc) in fp32; a key block entirely masked for a query row leaves
 that row's (m, l, acc) bitwise unchanged (alpha = exp2(0) = 1, p = 0, acc + 0·v = acc), so the
 extra blocks a tile walks for its other rows never change a row's bits. A row of a `tl.dot` result
@@ -79,7 +87,8 @@ class AttentionConfig:
     backward_dkdv: TileConfig
     # Keys per KV split (a multiple of the forward's BLOCK_N): every forward reduces a query's keys split
     # by split, folding the splits' partial softmax states left to right (see the module docstring).
-    kv_split: int = 1024
+    # 2048 as SGLang's deterministic mode uses; to be measured (benchmarks/attention_tiles.py).
+    kv_split: int = 2048
 
 
 def attention_config(dtype: torch.dtype, head_dim: int) -> AttentionConfig:
