@@ -8,7 +8,8 @@ ptxas's machine code, with no GPU present, so CI can see a kernel that will not 
 tiles overflow the H200's shared memory, before a device session does. It must run with the
 interpreter off (the interpreter replaces kernels by Python functions); tests start it in a
 subprocess. Prints one JSON object: {"<kind>/<dtype>/<head_dim>" (attention) or "grouped_<kind>/<dtype>":
-{"shared": bytes, "cubin": bytes, "wgmma": count} or {"error": "..."}}.
+{"shared": bytes, "cubin": bytes, "wgmma": count[, "registers", "spill_bytes" with --registers]} or
+{"error": "..."}}.
 """
 
 from __future__ import annotations
@@ -109,15 +110,39 @@ def compile_grouped_matmul(kind: str, dtype: torch.dtype):
     return _compile(fn, constants, types, cfg.num_warps, cfg.num_stages)
 
 
-def _summary(kernel) -> dict:
-    return {"shared": kernel.metadata.shared, "cubin": len(kernel.asm.get("cubin", b"")),
-            "wgmma": kernel.asm["ptx"].count("wgmma.mma_async")}
+def _summary(kernel, registers: bool = False) -> dict:
+    summary = {"shared": kernel.metadata.shared, "cubin": len(kernel.asm.get("cubin", b"")),
+               "wgmma": kernel.asm["ptx"].count("wgmma.mma_async")}
+    if registers:
+        summary.update(ptxas_registers(kernel.asm["ptx"]))
+    return summary
+
+
+def ptxas_registers(ptx: str) -> dict:
+    """{"registers": per thread, "spill_bytes": spill stores} from `ptxas -v` on the kernel's PTX: a
+    kernel that spills pays local-memory traffic in its inner loop, so tiles can be screened here."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"],
+                             capture_output=True, text=True, check=True).stderr
+    registers = re.search(r"Used (\d+) registers", out)
+    spills = re.search(r"(\d+) bytes spill stores", out)
+    return {"registers": int(registers.group(1)) if registers else None,
+            "spill_bytes": int(spills.group(1)) if spills else 0}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tile", help="force one attention tile M,N,WARPS,STAGES (to test the check; skips the GEMMs)")
     parser.add_argument("--cases", help="dtype/head_dim list, e.g. bf16/128,fp32/256 (default: all)")
+    parser.add_argument("--registers", action="store_true", help="also registers and spill bytes (ptxas -v)")
     args = parser.parse_args(argv)
     from rl_engine.kernels.ops.triton.runtime import interpreting
 
@@ -134,7 +159,7 @@ def main(argv=None) -> int:
 
     def record(key, build):
         try:
-            results[key] = _summary(build())
+            results[key] = _summary(build(), args.registers)
         except Exception as exc:  # noqa: BLE001 - a kernel that fails to compile is the finding
             results[key] = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"}
         print(f"sm90 {key}: {results[key]}", file=sys.stderr, flush=True)

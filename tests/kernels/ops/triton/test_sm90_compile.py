@@ -65,3 +65,8 @@ def test_it_refuses_to_run_under_the_interpreter():
     proc = subprocess.run([sys.executable, "-m", "rl_engine.kernels.ops.triton.sm90"], capture_output=True,
                           text=True, env=env, timeout=300)
     assert proc.returncode == 2 and "TRITON_INTERPRET=0" in proc.stderr
+
+
+def test_registers_and_spills_are_read_from_ptxas():
+    result = run_sm90("--registers", "--cases", "bf16/8")["forward/bf16/8"]
+    assert 0 < result["registers"] <= 255 and result["spill_bytes"] >= 0, result
