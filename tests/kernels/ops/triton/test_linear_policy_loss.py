@@ -144,3 +144,15 @@ def test_torch_compile_traces_the_custom_op_and_gives_the_eager_bits():
     loss.backward()
     assert torch.equal(loss.detach(), eager[0]) and torch.equal(metrics["entropy"], eager[1]["entropy"])
     assert torch.equal(hidden.grad, eager[2]) and torch.equal(weight.grad, eager[3])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_backward_scales_the_gradients_slice_by_slice_with_the_bits_of_one_multiply(monkeypatch, dtype):
+    # The loss's backward multiplies the saved [V,H] gradient by the upstream scalar in slices (no 2.5 GB
+    # fp32 temporaries at Qwen3-8B's vocabulary); slices of 3 rows here must change no bit.
+    monkeypatch.setattr(fused_module, "SCALE_ROWS", 3)
+    for shape in ((10, 7), (2, 5, 4), (0, 4)):
+        grad = torch.randn(shape).to(dtype)
+        for g in (1.0, 0.37, -3.0):
+            g = torch.tensor(g)
+            assert torch.equal(fused_module._scaled(grad, g), (grad.float() * g).to(dtype)), (shape, g)

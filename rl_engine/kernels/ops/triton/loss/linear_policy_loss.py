@@ -32,7 +32,10 @@ upstream scalar (exact for loss.backward()). The harness's per-token view (`_Tok
 takes any upstream and recomputes through the same kernels in backward.
 
 Memory beyond inputs and gradients: partials [TOKEN_CHUNK, V / BLOCK_V] x 3, one dlogits piece
-[TOKEN_CHUNK, VOCAB_CHUNK], an fp32 dhidden [N, H] and an fp32 dW piece [VOCAB_CHUNK, H].
+[TOKEN_CHUNK, VOCAB_CHUNK], an fp32 dhidden [N, H] and an fp32 dW piece [VOCAB_CHUNK, H]; autograd's
+backward then holds the computed gradients and their scaled copies (scaled SCALE_ROWS rows at a time:
+until 2026-11-30 a whole fp32 copy of dW and its product, 5 GB at V = 151936, H = 4096, were the
+bulk of the 6.3 GB the benchmark measured; the H200 has not measured the change yet).
 Work: the logits GEMM runs twice (statistics, then recompute for the gradient) plus the two
 gradient GEMMs: 4 GEMMs of work; keeping the chunk's logits to save one would cost TOKEN_CHUNK x V.
 """
@@ -427,12 +430,28 @@ def _loss_setup_context(ctx, inputs, output) -> None:
     ctx.need = (inputs[-2], inputs[-1])
 
 
+# Rows of a gradient scaled per slice in backward: the fp32 temporaries of a [V,H] weight gradient
+# (2 x 2.5 GB at Qwen3-8B's vocabulary) shrink to two slices of this many rows.
+SCALE_ROWS = 8192
+
+
+def _scaled(grad: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """grad * g computed in fp32 and rounded once to grad's dtype, slice by slice (same bits as whole)."""
+    out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+    if grad.numel() == 0:
+        return out
+    rows, rows_out = grad.reshape(-1, grad.shape[-1]), out.view(-1, grad.shape[-1])
+    for start in range(0, rows.shape[0], SCALE_ROWS):
+        rows_out[start:start + SCALE_ROWS] = (rows[start:start + SCALE_ROWS].float() * g).to(grad.dtype)
+    return out
+
+
 def _loss_backward(ctx, grad_loss, *_):
     grad_hidden, grad_weight = ctx.saved_tensors
     # g is 1 for loss.backward(): the multiply is then exact.
     g = grad_loss.to(torch.float32)
-    gh = (grad_hidden.float() * g).to(grad_hidden.dtype) if ctx.need[0] else None
-    gw = (grad_weight.float() * g).to(grad_weight.dtype) if ctx.need[1] else None
+    gh = _scaled(grad_hidden, g) if ctx.need[0] else None
+    gw = _scaled(grad_weight, g) if ctx.need[1] else None
     return (gh, gw) + (None,) * 16
 
 
