@@ -1,4 +1,4 @@
-"""Compile the attention and grouped-GEMM kernels for the H200 (sm_90a) on a machine without a GPU.
+"""Compile the attention, grouped-GEMM and linear_logp kernels for the H200 (sm_90a) without a GPU.
 
     TRITON_INTERPRET=0 python -m rl_engine.kernels.ops.triton.sm90 [--tile M,N,WARPS,STAGES]
 
@@ -27,9 +27,12 @@ CASES = [(torch.bfloat16, d) for d in (8, 64, 80, 128, 256)] + [(torch.float32, 
 # Launches specialise pointers and integer arguments that are multiples of 16 as 16-byte aligned (what
 # makes loads vectorised and pipelined); these are, at every shape a model runs.
 _ALIGNED = {"Q", "K", "V", "O", "LSE", "PM", "PL", "PACC", "SEQ_INFO", "DO", "DELTA", "DQ", "DK", "DV",
+            "hidden_ptr", "weight_ptr", "target_ptr", "part_max_ptr", "part_sum_ptr", "target_logit_ptr",
+            "lse_ptr", "grad_out_ptr", "dlogits_ptr", "b_ptr", "logp_ptr", "H", "stride_hn", "stride_wv",
+            "stride_dn", "stride_ak", "stride_bk", "M",
             "stride_qr", "stride_qh", "stride_kr", "stride_kh", "stride_or", "stride_oh", "stride_lr",
             "a_ptr", "w_ptr", "c_ptr", "g_ptr", "dw_ptr", "tiles_ptr", "starts_ptr", "N",  # "K" is above
-            "stride_am", "stride_we", "stride_wn", "stride_cm", "stride_gm", "stride_de", "stride_dn"}
+            "stride_am", "stride_we", "stride_wn", "stride_cm", "stride_gm", "stride_de"}
 # Launches also specialise integer arguments equal to 1 as constants: the unit strides of row-major operands.
 _UNIT_STRIDES = {"stride_ak", "stride_wk", "stride_cn", "stride_gn", "stride_dk"}
 
@@ -110,6 +113,49 @@ def compile_grouped_matmul(kind: str, dtype: torch.dtype):
     return _compile(fn, constants, types, cfg.num_warps, cfg.num_stages)
 
 
+LINEAR_LOGP_KERNELS = ("partials", "combine", "dlogits", "dh", "dw")
+
+
+def compile_linear_logp(kind: str, dtype: torch.dtype):
+    """linear_logp's kernels at its GPU configuration (Qwen3-8B: V = 151936, H = 4096): the forward's
+    logits partials and combine, the backward's logits recompute and its two gradient GEMMs."""
+    from rl_engine.kernels.ops.triton.loss import linear_logp as ll
+
+    cfg = dict(ll._GPU_CONFIGS["fp32" if dtype == torch.float32 else "16bit"])
+    element = "*bf16" if dtype == torch.bfloat16 else "*fp32"
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    tiles = dict(BLOCK_T=cfg["BLOCK_T"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"], GROUP=cfg["GROUP"],
+                 HAS_BIAS=False, EVEN_H=True, DOT_FP32=False, INPUT_PRECISION=precision)
+    fp32_ptrs = {"part_max_ptr", "part_sum_ptr", "target_logit_ptr", "logp_ptr", "lse_ptr", "grad_out_ptr"}
+
+    def types(name: str) -> str:
+        if name == "target_ptr":
+            return "*i64"
+        if name in fp32_ptrs:
+            return "*fp32"
+        return element if name.endswith("_ptr") else "i32"
+
+    if kind == "combine":
+        return _compile(ll._combine_kernel, {"BLOCK": 2048}, types, 4, 1)
+    if kind in ("partials", "dlogits"):
+        fn = ll._partials_kernel if kind == "partials" else ll._dlogits_kernel
+        constants = dict(tiles, stride_hh=1, stride_wh=1)
+        return _compile(fn, constants, types, cfg["num_warps"], cfg["num_stages"])
+    gemm = cfg["DH" if kind == "dh" else "DW"]
+    constants = dict(BLOCK_M=gemm["BLOCK_M"], BLOCK_N=gemm["BLOCK_N"], BLOCK_K=gemm["BLOCK_K"], GROUP=gemm["GROUP"],
+                     ROW_SUM=False, EVEN_K=True, DOT_FP32=False, INPUT_PRECISION=precision,
+                     stride_bn=1, stride_cn=1)
+    # dH += dlogits @ W[chunk] into the fp32 accumulator; dW[chunk] = dlogits^T @ hidden (A read transposed).
+    constants.update(ACCUMULATE=True, stride_ak=1) if kind == "dh" else constants.update(ACCUMULATE=False, stride_am=1)
+
+    def gemm_types(name: str) -> str:
+        if kind == "dh" and name == "c_ptr":
+            return "*fp32"
+        return types(name)
+
+    return _compile(ll._matmul_kernel, constants, gemm_types, gemm["num_warps"], gemm["num_stages"])
+
+
 def _summary(kernel, registers: bool = False) -> dict:
     summary = {"shared": kernel.metadata.shared, "cubin": len(kernel.asm.get("cubin", b"")),
                "wgmma": kernel.asm["ptx"].count("wgmma.mma_async")}
@@ -168,6 +214,8 @@ def main(argv=None) -> int:
         for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
             for kind in ("matmul", "weight_grad"):
                 record(f"grouped_{kind}/{name}", functools.partial(compile_grouped_matmul, kind, dtype))
+            for kind in LINEAR_LOGP_KERNELS:
+                record(f"linear_logp_{kind}/{name}", functools.partial(compile_linear_logp, kind, dtype))
     for dtype, head_dim in cases:
         for kind in ATTENTION_KERNELS:
             key = f"{kind}/{'bf16' if dtype == torch.bfloat16 else 'fp32'}/{head_dim}"

@@ -1,4 +1,4 @@
-"""The attention and grouped-GEMM kernels compile for the H200 (sm_90a) here, on the CPU, at their tiles.
+"""The attention, grouped-GEMM and linear_logp kernels compile for the H200 (sm_90a) here, on the CPU.
 
 See rl_engine/kernels/ops/triton/sm90.py: the interpreter hides compile failures, ptxas does not.
 One subprocess (the interpreter off) compiles every case; the tests read its report.
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from rl_engine.kernels.ops.triton.sm90 import ATTENTION_KERNELS, H200_SHARED_BYTES
+from rl_engine.kernels.ops.triton.sm90 import ATTENTION_KERNELS, H200_SHARED_BYTES, LINEAR_LOGP_KERNELS
 
 # One case per tile class of attention_config: small heads, a padded head (80), the main bf16 tiles,
 # 256-lane heads, and fp32's two classes.
@@ -52,6 +52,14 @@ def test_grouped_matmul_compiles_for_the_h200(report, key):
     assert result["cubin"] > 0 and result["shared"] <= H200_SHARED_BYTES, result
     if key.endswith("bf16"):
         assert result["wgmma"] > 0
+
+
+@pytest.mark.parametrize("kind", LINEAR_LOGP_KERNELS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_linear_logp_compiles_for_the_h200(report, kind, dtype):
+    result = report[f"linear_logp_{kind}/{dtype}"]
+    assert "error" not in result, result["error"]
+    assert result["cubin"] > 0 and result["shared"] <= H200_SHARED_BYTES, result
 
 
 def test_a_tile_that_overflows_shared_memory_is_caught():
