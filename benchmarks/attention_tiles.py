@@ -61,37 +61,28 @@ def make_inputs(head_dim: int):
     return q, k, v, do, table
 
 
+def with_config(cfg: flash.AttentionConfig, fn) -> dict:
+    """{"ms": median time of fn()} while flash runs `cfg`, or {"error": ...}: a configuration that does
+    not compile (shared memory, registers) is a result of the sweep, not its end."""
+    original = flash.attention_config
+    flash.attention_config = lambda dtype, head_dim: cfg
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return {"ms": bench_ms(fn)}
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+    finally:
+        flash.attention_config = original
+
+
 def time_kernel(kind: str, tile: TileConfig, base: flash.AttentionConfig, inputs, scale: float) -> dict:
     q, k, v, do, table = inputs
     cfg = dataclasses.replace(base, **{kind: tile})
-    original = flash.attention_config
-    flash.attention_config = lambda dtype, head_dim: cfg
-    try:
-        out, lse = flash.flash_forward(q, k, v, table, causal=True, scale=scale)
-        if kind == "forward":
-            fn = lambda: flash.flash_forward(q, k, v, table, causal=True, scale=scale)  # noqa: E731
-        else:
-            fn = lambda: flash.flash_backward(do, q, k, v, out, lse, table, causal=True, scale=scale)  # noqa: E731
-        fn()
-        torch.cuda.synchronize()
-        return {"ms": bench_ms(fn)}
-    except Exception as exc:  # a tile that does not fit is a result, not a crash of the sweep
-        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
-    finally:
-        flash.attention_config = original
-
-
-def with_config(cfg: flash.AttentionConfig, fn):
-    original = flash.attention_config
-    flash.attention_config = lambda dtype, head_dim: cfg
-    try:
-        fn()
-        torch.cuda.synchronize()
-        return {"ms": bench_ms(fn)}
-    except Exception as exc:  # noqa: BLE001 - a size that fails is a result
-        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
-    finally:
-        flash.attention_config = original
+    if kind == "forward":
+        return with_config(cfg, lambda: flash.flash_forward(q, k, v, table, causal=True, scale=scale))
+    out, lse = flash.flash_forward(q, k, v, table, causal=True, scale=scale)  # the backward's inputs
+    return with_config(cfg, lambda: flash.flash_backward(do, q, k, v, out, lse, table, causal=True, scale=scale))
 
 
 def kv_split_sweep(head_dim: int, inputs, scale: float) -> list[dict]:

@@ -21,6 +21,8 @@ import sys
 
 import torch
 
+from rl_engine.kernels.ops.triton.runtime import dot_precision
+
 H200_SHARED_BYTES = 227 * 1024
 ATTENTION_KERNELS = ("forward", "forward_partial", "combine", "dq", "dkdv")
 CASES = [(torch.bfloat16, d) for d in (8, 64, 80, 128, 256)] + [(torch.float32, d) for d in (8, 128, 256)]
@@ -70,7 +72,7 @@ def compile_attention(kind: str, dtype: torch.dtype, head_dim: int, tile=None):
     tile = tile or getattr(config, field)
     constants = dict(CAUSAL=True, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=padded,
                      EVEN_D=padded == head_dim, MASK_SPLIT=dtype != torch.float32, DOT_FP32=False,
-                     DOT_PRECISION=flash.dot_precision(dtype))
+                     DOT_PRECISION=dot_precision(dtype))
     if fn is flash._flash_forward_kernel:
         constants.update(KV_SPLIT=config.kv_split, PARTIAL=kind == "forward_partial")
 
@@ -93,7 +95,7 @@ def compile_grouped_matmul(kind: str, dtype: torch.dtype):
     from rl_engine.kernels.ops.triton.linear.matmul import matmul_config
 
     cfg = matmul_config(dtype, 768, 2048)
-    precision = "ieee" if dtype == torch.float32 else "tf32"
+    precision = dot_precision(dtype)  # the interpreter is off here: the GPU's choice
     element = "*bf16" if dtype == torch.bfloat16 else "*fp32"
     if kind == "matmul":
         fn = gm._grouped_matmul_kernel
@@ -123,7 +125,7 @@ def compile_linear_logp(kind: str, dtype: torch.dtype):
 
     cfg = dict(ll._GPU_CONFIGS["fp32" if dtype == torch.float32 else "16bit"])
     element = "*bf16" if dtype == torch.bfloat16 else "*fp32"
-    precision = "ieee" if dtype == torch.float32 else "tf32"
+    precision = dot_precision(dtype)  # the interpreter is off here: the GPU's choice
     tiles = dict(BLOCK_T=cfg["BLOCK_T"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"], GROUP=cfg["GROUP"],
                  HAS_BIAS=False, EVEN_H=True, DOT_FP32=False, INPUT_PRECISION=precision)
     fp32_ptrs = {"part_max_ptr", "part_sum_ptr", "target_logit_ptr", "logp_ptr", "lse_ptr", "grad_out_ptr"}

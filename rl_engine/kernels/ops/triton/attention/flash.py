@@ -62,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rl_engine.kernels.ops.triton.runtime import cast_rne, dot_fp32
+from rl_engine.kernels.ops.triton.runtime import cast_rne, dot_fp32, dot_precision
 
 LOG2_E = 1.4426950408889634
 # The running max starts finite so that a block masked for a row gives alpha = exp2(0) = 1, not NaN.
@@ -140,14 +140,42 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 operands (fp32 inputs, or the interpreter's upcast path) multiply in IEEE fp32, never TF32;
-    bf16/fp16 operands take the tensor cores with Triton's default setting."""
-    return "ieee" if dtype == torch.float32 or dot_fp32(dtype) else "tf32"
-
-
 # --------------------------------------------------------------------------------------------------
 # forward
+
+
+@triton.jit
+def _key_blocks(q_pos0, first_q, rows, q_count, kv_len, window, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                MASK_SPLIT: tl.constexpr):
+    """The key blocks of a query tile (queries first_q … first_q + rows − 1 of a sequence): [lo, mid)
+    every query of the tile sees whole (no mask), [mid, hi) the rest (masked); all multiples of BLOCK_N
+    counted from the first key. Only windowed (padding) rows skip leading blocks."""
+    hi = kv_len
+    if CAUSAL:
+        hi = tl.minimum(kv_len, q_pos0 + tl.minimum(first_q + rows, q_count))
+    hi = tl.where(first_q < q_count, hi, 0)  # a tile past the sequence's queries: no work
+    lo = (tl.maximum(q_pos0 + first_q - window + 1, 0) // BLOCK_N) * BLOCK_N
+    mid = kv_len
+    if CAUSAL:
+        mid = tl.minimum(mid, q_pos0 + first_q + 1)
+    mid = tl.where(window == _NO_WINDOW, lo + tl.maximum(mid - lo, 0) // BLOCK_N * BLOCK_N, lo)
+    mid = tl.minimum(mid, hi)
+    if not MASK_SPLIT:
+        mid = lo
+    return lo, mid, hi
+
+
+@triton.jit
+def _whole_kv_block(K, V, k_row0, start_n, stride_kr, k_col, d_ok, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K and V rows [start_n, start_n + BLOCK_N) of a block inside kv_len: no row mask."""
+    k_off = (k_row0 + start_n + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_kr
+    if EVEN_D:
+        k = tl.load(K + k_off[:, None] + k_col)
+        v = tl.load(V + k_off[:, None] + k_col)
+    else:
+        k = tl.load(K + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
+        v = tl.load(V + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
+    return k, v
 
 
 @triton.jit
@@ -231,22 +259,8 @@ def _flash_forward_kernel(
     if DOT_FP32:
         q = q.to(tl.float32)
 
-    first_q = pid_m * q_per_tile
-    hi = kv_len
-    if CAUSAL:
-        last_q = tl.minimum(first_q + q_per_tile, q_count) - 1
-        hi = tl.minimum(kv_len, q_pos0 + last_q + 1)
-    hi = tl.where(first_q < q_count, hi, 0)  # a tile past the sequence's queries: no work
-    # Blocks stay aligned to the first key; only windowed (padding) rows skip the leading ones.
-    lo = (tl.maximum(q_pos0 + first_q - window + 1, 0) // BLOCK_N) * BLOCK_N
-    # [lo, mid): blocks every query of the tile sees whole (no mask); [mid, hi): the rest, masked.
-    mid = kv_len
-    if CAUSAL:
-        mid = tl.minimum(mid, q_pos0 + first_q + 1)
-    mid = tl.where(window == _NO_WINDOW, lo + tl.maximum(mid - lo, 0) // BLOCK_N * BLOCK_N, lo)
-    mid = tl.minimum(mid, hi)
-    if not MASK_SPLIT:
-        mid = lo
+    lo, mid, hi = _key_blocks(q_pos0, pid_m * q_per_tile, q_per_tile, q_count, kv_len, window, CAUSAL, BLOCK_N,
+                              MASK_SPLIT)
     # KV splits [s0, s0 + KV_SPLIT), aligned to the sequence's first key like the blocks.
     split_lo = lo // KV_SPLIT * KV_SPLIT
     split_hi = hi
@@ -270,13 +284,7 @@ def _flash_forward_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         if MASK_SPLIT:  # fp32 skips the mask split: its speed matters less than its compile time
             for start_n in range(b0, tl.minimum(mid, s1), BLOCK_N):
-                k_off = (k_row0 + start_n + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_kr
-                if EVEN_D:
-                    k = tl.load(K + k_off[:, None] + k_col)
-                    v = tl.load(V + k_off[:, None] + k_col)
-                else:
-                    k = tl.load(K + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
-                    v = tl.load(V + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
+                k, v = _whole_kv_block(K, V, k_row0, start_n, stride_kr, k_col, d_ok, EVEN_D, BLOCK_N)
                 if DOT_FP32:
                     k = k.to(tl.float32)
                 m, l, acc = _online_softmax_block(q, k, v, m, l, acc, None, qk_scale, kv_base,
@@ -487,31 +495,13 @@ def _flash_backward_dq_kernel(
         do = do.to(tl.float32)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    first_q = pid_m * BLOCK_M
-    hi = kv_len
-    if CAUSAL:
-        hi = tl.minimum(kv_len, q_pos0 + tl.minimum(first_q + BLOCK_M, q_count))
-    hi = tl.where(first_q < q_count, hi, 0)
-    lo = (tl.maximum(q_pos0 + first_q - window + 1, 0) // BLOCK_N) * BLOCK_N
-    # [lo, mid): key blocks every query of the block sees whole, unmasked; [mid, hi): masked.
-    mid = kv_len
-    if CAUSAL:
-        mid = tl.minimum(mid, q_pos0 + first_q + 1)
-    mid = tl.where(window == _NO_WINDOW, lo + tl.maximum(mid - lo, 0) // BLOCK_N * BLOCK_N, lo)
-    mid = tl.minimum(mid, hi)
-    if not MASK_SPLIT:
-        mid = lo
+    lo, mid, hi = _key_blocks(q_pos0, pid_m * BLOCK_M, BLOCK_M, q_count, kv_len, window, CAUSAL, BLOCK_N,
+                              MASK_SPLIT)
     k_base = K.dtype.element_ty
     k_col = kv_head * stride_kh + d[None, :]
     if MASK_SPLIT:
         for start_n in range(lo, mid, BLOCK_N):
-            k_off = (k_row0 + start_n + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_kr
-            if EVEN_D:
-                k = tl.load(K + k_off[:, None] + k_col)
-                v = tl.load(V + k_off[:, None] + k_col)
-            else:
-                k = tl.load(K + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
-                v = tl.load(V + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
+            k, v = _whole_kv_block(K, V, k_row0, start_n, stride_kr, k_col, d_ok, EVEN_D, BLOCK_N)
             dq = _dq_block(q, do, k, v, lse, delta, dq, None, qk_scale, k_base, False, DOT_FP32, DOT_PRECISION)
     for start_n in range(mid, hi, BLOCK_N):
         k_pos = start_n + tl.arange(0, BLOCK_N)

@@ -30,11 +30,7 @@ import triton.language as tl
 
 from rl_engine.kernels.ops.pytorch.linear.grouped_matmul import NativeGroupedMatmulOp
 from rl_engine.kernels.ops.triton.linear.matmul import matmul_config
-from rl_engine.kernels.ops.triton.runtime import cast_rne, dot_fp32
-
-
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # fp32: never TF32; 16-bit: tensor cores
+from rl_engine.kernels.ops.triton.runtime import cast_rne, dot_fp32, dot_precision
 
 
 @triton.jit
@@ -135,7 +131,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, counts: list[int], *, transpose_w:
         a, w, out, tiles, n, k,
         a.stride(0), a.stride(1), w.stride(0), stride_wk, stride_wn, out.stride(0), out.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_FP32=dot_fp32(a.dtype), INPUT_PRECISION=_precision(a.dtype),
+        DOT_FP32=dot_fp32(a.dtype), INPUT_PRECISION=dot_precision(a.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -152,7 +148,7 @@ def _weight_grad(grad_out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, count
         grad_out, a, dw, starts, n, k,
         grad_out.stride(0), grad_out.stride(1), a.stride(0), a.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
-        DOT_FP32=dot_fp32(a.dtype), INPUT_PRECISION=_precision(a.dtype),
+        DOT_FP32=dot_fp32(a.dtype), INPUT_PRECISION=dot_precision(a.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dw
