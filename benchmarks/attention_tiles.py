@@ -9,6 +9,9 @@ forward, the dQ kernel and the dK/dV kernel are timed with each candidate tile w
 keep today's tiles; a candidate that does not compile (shared memory, registers) is recorded as such.
 SDPA's default backend is timed in the same run for scale. The pick is written to the JSON; moving
 it into `attention_config` is a code change that the GPU gate must then pass.
+The KV split (`AttentionConfig.kv_split`) is swept the same way: the prefill forward at S = 4096 and
+a decode step (one query per sequence, 8192 cached tokens, batch 1 and 16) for each candidate size,
+with SDPA's decode beside it.
 """
 
 from __future__ import annotations
@@ -25,14 +28,17 @@ from rl_engine.kernels.ops.triton.attention import flash
 from rl_engine.kernels.ops.triton.attention.flash import TileConfig
 
 Q_HEADS, KV_HEADS, TOKENS, S = 32, 8, 16384, 4096
-CANDIDATES = {  # (block_m, block_n, num_warps, num_stages)
-    "forward": [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 64, 4, 3),
-                (64, 64, 4, 3), (64, 128, 4, 2), (128, 32, 4, 3)],
-    "backward_dq": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 8, 2),
-                    (128, 128, 8, 2), (64, 32, 4, 3)],
-    "backward_dkdv": [(64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 3), (64, 128, 8, 2), (128, 64, 8, 2),
-                      (128, 128, 8, 2), (32, 64, 4, 3), (64, 128, 4, 2)],
+CANDIDATES = {  # (block_m, block_n, num_warps, num_stages); `python -m rl_engine.kernels.ops.triton.sm90
+    # --registers --tile M,N,W,S` screens spills on the CPU (2026-11-30: 64x64/8 warps is the forward's
+    # only tile here without spills; every dK/dV tile spills, 16x64/4 and 64x32/4 the least)
+    "forward": [(64, 64, 4, 3), (64, 64, 8, 3), (64, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3)],
+    "backward_dq": [(64, 64, 4, 2), (64, 32, 4, 2), (32, 128, 8, 2), (128, 128, 8, 2)],
+    "backward_dkdv": [(32, 64, 4, 3), (16, 64, 4, 3), (64, 32, 4, 2), (32, 128, 8, 2), (64, 64, 4, 2)],
 }
+
+
+KV_SPLITS = (1024, 2048, 4096, 8192)
+DECODE_CACHED, DECODE_BATCHES = 8192, (1, 16)
 
 
 def causal_flops(head_dim: int) -> float:
@@ -55,24 +61,61 @@ def make_inputs(head_dim: int):
     return q, k, v, do, table
 
 
-def time_kernel(kind: str, tile: TileConfig, base: flash.AttentionConfig, inputs, scale: float) -> dict:
-    q, k, v, do, table = inputs
-    cfg = dataclasses.replace(base, **{kind: tile})
+def with_config(cfg: flash.AttentionConfig, fn) -> dict:
+    """{"ms": median time of fn()} while flash runs `cfg`, or {"error": ...}: a configuration that does
+    not compile (shared memory, registers) is a result of the sweep, not its end."""
     original = flash.attention_config
     flash.attention_config = lambda dtype, head_dim: cfg
     try:
-        out, lse = flash.flash_forward(q, k, v, table, causal=True, scale=scale)
-        if kind == "forward":
-            fn = lambda: flash.flash_forward(q, k, v, table, causal=True, scale=scale)  # noqa: E731
-        else:
-            fn = lambda: flash.flash_backward(do, q, k, v, out, lse, table, causal=True, scale=scale)  # noqa: E731
         fn()
         torch.cuda.synchronize()
         return {"ms": bench_ms(fn)}
-    except Exception as exc:  # a tile that does not fit is a result, not a crash of the sweep
+    except Exception as exc:  # noqa: BLE001
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
     finally:
         flash.attention_config = original
+
+
+def time_kernel(kind: str, tile: TileConfig, base: flash.AttentionConfig, inputs, scale: float) -> dict:
+    q, k, v, do, table = inputs
+    cfg = dataclasses.replace(base, **{kind: tile})
+    if kind == "forward":
+        return with_config(cfg, lambda: flash.flash_forward(q, k, v, table, causal=True, scale=scale))
+    out, lse = flash.flash_forward(q, k, v, table, causal=True, scale=scale)  # the backward's inputs
+    return with_config(cfg, lambda: flash.flash_backward(do, q, k, v, out, lse, table, causal=True, scale=scale))
+
+
+def kv_split_sweep(head_dim: int, inputs, scale: float) -> list[dict]:
+    from rl_engine.kernels.ops.triton.attention import triton_kv_cache_attention
+
+    q, k, v, _, table = inputs
+    base = flash.attention_config(torch.bfloat16, head_dim)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    decode = {}
+    for b in DECODE_BATCHES:
+        shape = (b, DECODE_CACHED, KV_HEADS, head_dim)
+        decode[b] = (torch.randn(b, 1, Q_HEADS, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen),
+                     torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen),
+                     torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen),
+                     torch.full((b,), DECODE_CACHED, device="cuda", dtype=torch.int32))
+    rows = []
+    for split in KV_SPLITS:
+        cfg = dataclasses.replace(base, kv_split=split)
+        row = {"kv_split": split, "prefill_forward": with_config(
+            cfg, lambda: flash.flash_forward(q, k, v, table, causal=True, scale=scale))}
+        for b, args in decode.items():
+            row[f"decode_b{b}"] = with_config(cfg, lambda args=args: triton_kv_cache_attention(*args))
+        rows.append(row)
+        print(f"hd {head_dim} kv_split {split}: " + ", ".join(
+            f"{name} {r['ms']:.4f} ms" if "ms" in r else f"{name} {r['error']}"
+            for name, r in row.items() if isinstance(r, dict)), flush=True)
+    for b, (dq, dk, dv, _) in decode.items():
+        qt, kt, vt = (t.transpose(1, 2) for t in (dq, dk, dv))
+        ms = bench_ms(lambda qt=qt, kt=kt, vt=vt: torch.nn.functional.scaled_dot_product_attention(
+            qt, kt, vt, enable_gqa=True))
+        rows.append({"sdpa_default_decode": b, "ms": ms})
+        print(f"hd {head_dim} sdpa default decode batch {b}: {ms:.4f} ms", flush=True)
+    return rows
 
 
 def sdpa_ms(inputs, backward: bool) -> float:
@@ -113,6 +156,7 @@ def sweep(head_dim: int) -> dict:
                   + f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
         timed = [r for r in rows if "ms" in r]
         result["kernels"][kind] = {"rows": rows, "best": min(timed, key=lambda r: r["ms"])["tile"] if timed else None}
+    result["kv_split"] = kv_split_sweep(head_dim, inputs, scale)
     fwd = sdpa_ms(inputs, backward=False)
     both = sdpa_ms(inputs, backward=True)
     result["sdpa_default"] = {"forward_ms": fwd, "forward_tflops": fwd_flops / (fwd * 1e-3) / 1e12,

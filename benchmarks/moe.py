@@ -9,20 +9,24 @@ roughly T*8/128 rows each (min/max are recorded per row).
 
 (1) The grouped GEMM alone, on rows already gathered by expert, for the two expert GEMM shapes:
     gate_up (N = 2*768, K = 2048: gate and up stacked, one product) and down (N = 2048, K = 768).
-  triton_loop            what rl_engine/models/moe.py runs: per expert, batch_invariant_mm(rows_e,
-                         W_e^T) (the `matmul` op of the triton profile), then torch.cat
+  triton_grouped         rl_engine's grouped GEMM (the `grouped_matmul` op's kernel, what moe.py runs):
+                         one launch, each expert's rows in tiles of their own
+  triton_loop            the loop it replaced: per expert, batch_invariant_mm(rows_e, W_e^T) (the
+                         `matmul` op), then torch.cat; its bits are the grouped GEMM's
   triton_loop_gemm_only  the same without the cat (the GEMMs alone)
   grouped_mm             torch._grouped_mm(rows, W.transpose(-2,-1), offs=int32 cumulative counts):
                          one launch (CUTLASS grouped GEMM for bf16 on sm90 in torch 2.11)
   cublas_loop            per expert torch.mm(rows_e, W_e^T, out=slice): a Python loop of cuBLAS GEMMs
   cublas_dense_ref       one torch.mm of all rows against one expert: the ceiling (not a peer)
-  TFLOP/s counts 2*rows*N*K; pct_of_best_peer = 100 * (faster of grouped_mm, cublas_loop) ms / ours
+  TFLOP/s counts 2*rows*N*K; pct_of_best_peer = 100 * (faster of grouped_mm, cublas_loop) ms / ours;
+  bitwise_vs_triton_loop: the grouped GEMM's output equals the loop's bit for bit
   (goal >= 85). On CUDA, graph_ms replays each from a CUDA graph: the GPU time without the host's
   per-launch cost (128 launches per loop).
 (2) A whole MoE layer (router -> softmax -> top-8 renormalised -> experts -> combine), forward and
     forward + backward (gradients of the input, the router and every expert weight), peak memory:
   triton                 rl_engine.models.moe.moe_block under the triton_bf16 profile, with
-                         local_experts: the entry point the decoder's sparse layers call
+                         local_experts: the entry point the decoder's sparse layers call (it stacks
+                         the per-expert weights into [E,N,K] on every call: counted in its time)
   grouped_mm_layer       written here: permute by expert, torch._grouped_mm for gate+up and down, combine
   transformers           Qwen3MoeSparseMoeBlock from a Qwen3MoeConfig, same weights, with the experts
                          implementation a transformers model picks by default (recorded; grouped_mm in 5.x)
@@ -76,7 +80,7 @@ QWEN3_30B_A3B = Shapes(hidden=2048, experts=128, top_k=8, inter=768, tokens=(409
 # The CPU smoke path: small enough for the Triton interpreter, and some expert may get no rows.
 TOY = Shapes(hidden=32, experts=4, top_k=2, inter=16, tokens=(8,), quick_tokens=(8,))
 
-GEMM_IMPLS = ("triton_loop", "triton_loop_gemm_only", "grouped_mm", "cublas_loop", "cublas_dense_ref")
+GEMM_IMPLS = ("triton_grouped", "triton_loop", "triton_loop_gemm_only", "grouped_mm", "cublas_loop", "cublas_dense_ref")
 GEMM_PEERS = ("grouped_mm", "cublas_loop")
 LAYER_IMPLS = ("grouped_mm_layer", "triton", "transformers", "transformers_eager")  # the first is the diff reference
 
@@ -152,6 +156,7 @@ def routed_counts(s: Shapes, tokens: int, device: str, seed: int) -> torch.Tenso
 
 def gemm_impls(a: torch.Tensor, weight: torch.Tensor, counts: list[int], offs: torch.Tensor, grouped_status):
     """Zero-argument callables computing rows_e @ weight[e]^T for every expert e (a sorted by expert)."""
+    from rl_engine.kernels.ops.triton.linear.grouped_matmul import grouped_matmul
     from rl_engine.kernels.ops.triton.linear.matmul import batch_invariant_mm
 
     parts = [(e, part) for e, part in enumerate(a.split(counts)) if part.shape[0]]
@@ -170,7 +175,8 @@ def gemm_impls(a: torch.Tensor, weight: torch.Tensor, counts: list[int], offs: t
             torch.mm(a[start:end], weight[e].t(), out=out[start:end])
         return out
 
-    impls = {"triton_loop": triton_loop, "triton_loop_gemm_only": triton_loop_gemm_only}
+    impls = {"triton_grouped": lambda: grouped_matmul(a, weight, counts),
+             "triton_loop": triton_loop, "triton_loop_gemm_only": triton_loop_gemm_only}
     impls["grouped_mm"] = grouped_status or (lambda: torch._grouped_mm(a, weight.transpose(-2, -1), offs=offs))
     impls["cublas_loop"] = cublas_loop
     impls["cublas_dense_ref"] = lambda: torch.mm(a, weight[0].t())
@@ -229,6 +235,9 @@ def gemm_section(s: Shapes, token_list, weights, timer: Timer, device: str, grou
                     else:
                         results[name]["graph_tflop_per_s"] = flops / (graphed["ms"] * 1e-3) / 1e12
             _add_peer_ratios(results)
+            if "error" not in results["triton_grouped"]:
+                results["triton_grouped"]["bitwise_vs_triton_loop"] = bool(
+                    torch.equal(impls["triton_grouped"](), impls["triton_loop"]()))
             rows += [{**base, "impl": name, **result} for name, result in results.items()]
             del a, impls, reference
     return rows, configs
@@ -243,7 +252,7 @@ def _add_peer_ratios(results: dict) -> None:
             result["pct_of_dense_ref"] = 100 * dense / result["ms"]
     for key, out in (("ms", "pct_of_best_peer"), ("graph_ms", "graph_pct_of_best_peer")):
         peers = [results[p][key] for p in GEMM_PEERS if results[p].get(key)]
-        for ours in ("triton_loop", "triton_loop_gemm_only"):
+        for ours in ("triton_grouped", "triton_loop", "triton_loop_gemm_only"):
             if peers and results[ours].get(key):
                 results[ours][out] = 100 * min(peers) / results[ours][key]
 
@@ -471,7 +480,7 @@ def layer_section(s: Shapes, token_list, weights, timer: Timer, device: str, gro
 # -- the run ------------------------------------------------------------------------------------
 
 GEMM_COLUMNS = ["gemm", "tokens", "rows", "impl", "ms", "tflop_per_s", "pct_of_best_peer", "pct_of_dense_ref",
-                "graph_ms", "graph_tflop_per_s", "graph_pct_of_best_peer", "max_abs_diff", "error"]
+                "graph_ms", "graph_tflop_per_s", "graph_pct_of_best_peer", "max_abs_diff", "bitwise_vs_triton_loop", "error"]
 LAYER_COLUMNS = ["tokens", "impl", "fwd_ms", "fwd_bwd_ms", "fwd_bwd_x_grouped_mm", "fwd_peak_mb", "fwd_bwd_peak_mb",
                  "fwd_bwd_peak_x_grouped_mm", "out_rel_l2", "dx_rel_l2", "drouter_rel_l2", "dgate_up_rel_l2",
                  "ddown_rel_l2", "error"]

@@ -66,6 +66,9 @@ _RECORDS = [
     _record("rms_norm", "norm.rms_norm", "RmsNorm", "reduction", ["x", "weight"], ["x"], constructor_dims=("eps",)),
     _record("matmul", "linear.matmul", "Matmul", "matmul", ["a", "b"], ["a"]),
     _record("lm_head", "linear.lm_head", "LmHead", "matmul", ["hidden", "weight"], ["hidden"]),
+    # The experts of a MoE layer: each row through the weight its expert id names.
+    _record("grouped_matmul", "linear.grouped_matmul", "GroupedMatmul", "matmul", ["x", "weight"],
+            ["x", "expert_ids"]),
     _record("attention", "attention.attention", "Attention", "attention", ["q", "k", "v"],
             ["q", "k", "v", "seq_starts"], layouts=("padded", "left_padded", "packed")),
     # An inference op (decode and chunked prefill against a KV cache): no gradient inputs, no backward.

@@ -115,18 +115,15 @@ class DecoderModel:
             p = f"model.layers.{i}"
             nodes += [f"{p}.input_layernorm", f"{p}.post_attention_layernorm"]
             nodes += [f"{p}.self_attn.{n}" for n in attn + ("q_rope", "k_rope", "attention", "o_proj")]
-            # A sparse layer always runs its router; an expert runs only when some token chose it.
-            mlp = ("gate",) if self.config.sparse_layer(i) else ("gate_proj", "up_proj", "swiglu", "down_proj")
+            # A sparse layer runs its router, then all its experts as one grouped dispatch per projection.
+            mlp = ("gate_proj", "up_proj", "swiglu", "down_proj")
+            if self.config.sparse_layer(i):
+                mlp = ("gate",) + tuple(f"experts.{n}" for n in mlp)
             nodes += [f"{p}.mlp.{n}" for n in mlp]
         return nodes + ["model.norm", "logp"]
 
     def known_nodes(self) -> list[str]:
-        experts = [
-            f"model.layers.{i}.mlp.experts.{j}.{n}"
-            for i in range(self.config.num_layers) if self.config.sparse_layer(i)
-            for j in range(self.config.moe.num_experts) for n in ("gate_proj", "up_proj", "swiglu", "down_proj")
-        ]
-        return self.required_nodes() + experts + ["lm_head"]
+        return self.required_nodes() + ["lm_head"]
 
     # -- pieces ---------------------------------------------------------------------------------
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

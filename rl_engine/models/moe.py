@@ -14,17 +14,17 @@ Why a token's bits never depend on the other tokens (DESIGN.md, MoE rule):
   axis is padded with -inf to a multiple of 64 so torch's CPU `exp` never reaches its scalar tail (which
   may round differently from the vector body, so an element's bits could depend on its position); the
   top-k is a stable descending sort, so equal probabilities go to the lowest expert index;
-- permute: the rows routed to expert e are gathered in token order (experts in index order); each
-  expert runs `matmul` -> `swiglu` -> `matmul` on its rows only. The `matmul` op of the triton profile
-  is row invariant (fixed tiles per (dtype, N, K), no split-K), so a row's result does not depend on
-  which or how many rows the expert serves. This loop of batch-invariant GEMMs is the reference a
-  grouped-GEMM kernel must equal bit for bit;
+- permute: the rows routed to expert e are gathered in token order (experts in index order); the
+  experts run as `grouped_matmul` (gate, up) -> `swiglu` -> `grouped_matmul` (down), each row through
+  its own expert's weight. The triton profile's grouped GEMM gives a row the bits of the `matmul` op on
+  that row (fixed tiles per (dtype, N, K), no split-K, tiles never shared between experts), so a row's
+  result does not depend on which or how many rows its expert serves;
 - unpermute and combine: the k outputs of a token are summed in slot order in fp32.
 Backward is written out (no reduction whose order torch picks, no atomics): the gradient of a token's
 input sums its k slot gradients in slot order in fp32; the weights' gradient reduces over the hidden
 axis with the same fixed tree; the router's is the softmax/top-k derivative with tree sums over k.
-Expert weight gradients come from the `matmul` op's backward (a fixed-order sum over the expert's
-tokens, in token order).
+Expert weight gradients come from the `grouped_matmul` op's backward (a fixed-order sum over the
+expert's tokens, in token order; zeros for an expert no token chose).
 """
 
 from __future__ import annotations
@@ -152,28 +152,24 @@ class _Combine(torch.autograd.Function):
         return grad_rows, grad_weights, None
 
 
-def expert_mlp(ops, node: str, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
-    """One expert's SwiGLU MLP on its rows x [n,H] through the profile's ops (weights as HF stores them)."""
-    a = x[None]
-    g = ops("matmul", f"{node}.gate_proj", a=a, b=gate.t())
-    u = ops("matmul", f"{node}.up_proj", a=a, b=up.t())
-    m = ops("swiglu", f"{node}.swiglu", gate=g, up=u)
-    return ops("matmul", f"{node}.down_proj", a=m, b=down.t())[0]
-
-
 def local_experts(ops, node: str, expert_weights: Callable[[int], tuple]):
-    """The experts computed here, one after the other in index order, each on its own rows.
+    """The experts computed here, as one `grouped_matmul` dispatch per projection (gate, up, down) over
+    all of them, each row through its own expert's weight, and one `swiglu`.
 
-    `expert_weights(e)` gives (gate, up, down) of expert e. Returns run(rows [N,H], counts) -> [N,H].
+    `expert_weights(e)` gives (gate, up, down) of expert e as HF stores them; they are stacked into
+    [E,N,K] per call (a copy of the expert weights per layer and step: simple, not free; a model that
+    keeps them stacked would skip it). Returns run(rows [N,H] grouped by expert, counts) -> [N,H].
     """
 
     def run(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        outs = [
-            expert_mlp(ops, f"{node}.experts.{e}", part, *expert_weights(e))
-            for e, part in enumerate(rows.split(counts))
-            if part.shape[0]  # an expert without tokens runs nothing
-        ]
-        return torch.cat(outs) if outs else rows  # no rows at all: [0,H], still in the autograd graph
+        gate, up, down = (torch.stack(w) for w in zip(*(expert_weights(e) for e in range(len(counts)))))
+        experts = torch.arange(len(counts), device=rows.device)
+        ids = torch.repeat_interleave(experts, torch.tensor(counts, device=rows.device), output_size=rows.shape[0])
+        x, ids = rows[None], ids[None]
+        g = ops("grouped_matmul", f"{node}.experts.gate_proj", x=x, weight=gate, expert_ids=ids)
+        u = ops("grouped_matmul", f"{node}.experts.up_proj", x=x, weight=up, expert_ids=ids)
+        m = ops("swiglu", f"{node}.experts.swiglu", gate=g, up=u)
+        return ops("grouped_matmul", f"{node}.experts.down_proj", x=m, weight=down, expert_ids=ids)[0]
 
     return run
 

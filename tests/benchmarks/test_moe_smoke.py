@@ -32,7 +32,8 @@ def test_cpu_run_writes_every_row(bench, tmp_path):
         assert row["ms"] > 0 and row["tflop_per_s"] > 0 and row["rows"] == 8 * bench.TOY.top_k
         if impl != "cublas_dense_ref":  # the others compute the same product as the cuBLAS loop
             assert row["max_abs_diff"] <= 0.05, (g, impl, row["max_abs_diff"])
-    assert gemm[("gate_up", "triton_loop")]["pct_of_best_peer"] > 0
+    assert gemm[("gate_up", "triton_grouped")]["pct_of_best_peer"] > 0
+    assert all(gemm[(g, "triton_grouped")]["bitwise_vs_triton_loop"] for g in ("gate_up", "down"))
 
     layer = {r["impl"]: r for r in result["layer_rows"]}
     assert set(layer) == set(bench.LAYER_IMPLS)  # transformers 5 defaults to grouped_mm: eager is timed too
@@ -42,7 +43,7 @@ def test_cpu_run_writes_every_row(bench, tmp_path):
         for name in ("out", *bench.GRAD_NAMES):
             assert _close(row, name), (impl, name, row[f"{name}_max_diff"], row[f"{name}_max_abs"])
         assert row["fwd_bwd_x_grouped_mm"] > 0
-    assert "matmul->triton" in layer["triton"]["backend"]
+    assert "grouped_matmul->triton" in layer["triton"]["backend"]
     assert layer["transformers"]["backend"].endswith("experts_implementation=grouped_mm")
 
 

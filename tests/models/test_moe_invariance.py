@@ -21,11 +21,12 @@ ROLES = ("gate_proj", "up_proj", "down_proj")
 
 
 class BatchDependentMatmul(ProfileOps):
-    """Planted bug: the product's bits depend on the number of rows (as a split-K chosen by M would)."""
+    """Planted bug: the experts' product's bits depend on the number of rows (as a split-K chosen by M
+    would): from 16 routed rows on (the whole batch of 9 tokens, not a single token)."""
 
     def __call__(self, op, node, params=None, **inputs):
         out = super().__call__(op, node, params, **inputs)
-        return out * (1 + 2**-6) if op == "matmul" and inputs["a"].shape[1] % 2 else out
+        return out * (1 + 2**-6) if op == "grouped_matmul" and inputs["x"].shape[1] >= 16 else out
 
 
 def _layer0(requires_grad=False):

@@ -22,7 +22,7 @@ from rl_engine.outputs import check_writable, write_atomic
 # flag -> OperatorDims field; the defaults live in OperatorDims, so the flags default to None.
 DIM_FLAGS = {
     "batch": int, "seq": int, "vocab": int, "normalized_dim": int, "intermediate": int, "n_heads": int,
-    "n_kv_heads": int, "head_dim": int, "k_dim": int, "n_dim": int, "theta": float, "eps": float,
+    "n_kv_heads": int, "head_dim": int, "k_dim": int, "n_dim": int, "experts": int, "theta": float, "eps": float,
 }
 
 

@@ -37,6 +37,7 @@ class OperatorDims:
     head_dim: int = 8
     k_dim: int = 16  # matmul a [B,S,K] @ b [K,N]
     n_dim: int = 12
+    experts: int = 4  # grouped_matmul weight [E,N,K] with N = n_dim, K = k_dim
     theta: float = 1e6
     eps: float = 1e-6
 
@@ -122,6 +123,14 @@ def _matmul(d: OperatorDims, draw: _Draw) -> dict:
     return {
         "a": draw.normal("a", (d.batch, d.seq, d.k_dim)),
         "b": draw.normal("b", (d.k_dim, d.n_dim), scale=1.0 / math.sqrt(d.k_dim)),
+    }
+
+
+def _grouped_matmul(d: OperatorDims, draw: _Draw) -> dict:
+    return {
+        "x": draw.normal("x", (d.batch, d.seq, d.k_dim)),
+        "weight": draw.normal("weight", (d.experts, d.n_dim, d.k_dim), scale=1.0 / math.sqrt(d.k_dim)),
+        "expert_ids": draw.ints("expert_ids", (d.batch, d.seq), 0, d.experts),
     }
 
 
@@ -217,6 +226,7 @@ INPUT_BUILDERS = {
     "rms_norm": _rms_norm,
     "matmul": _matmul,
     "lm_head": _lm_head,
+    "grouped_matmul": _grouped_matmul,
     "attention": _attention,
     "kv_cache_attention": _kv_cache_attention,
     "silu": _silu,

@@ -18,6 +18,7 @@ EXPECTED_SHAPES = {
     "rms_norm": {"x": (2, 3, 8), "weight": (8,)},
     "matmul": {"a": (2, 3, 5), "b": (5, 7)},
     "lm_head": {"hidden": (2, 3, 8), "weight": (11, 8)},
+    "grouped_matmul": {"x": (2, 3, 5), "weight": (4, 7, 5), "expert_ids": (2, 3)},
     "attention": {"q": (2, 3, 4, 4), "k": (2, 3, 2, 4), "v": (2, 3, 2, 4)},
     "kv_cache_attention": {"q": (2, 3, 4, 4), "k_cache": (2, 16, 2, 4), "v_cache": (2, 16, 2, 4),
                            "cache_seqlens": (2,)},

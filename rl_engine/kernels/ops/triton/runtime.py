@@ -59,6 +59,14 @@ def needs_custom_op(*tensors) -> bool:
     return torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
+def dot_precision(dtype) -> str:
+    """`tl.dot`'s input_precision: fp32 operands (fp32 inputs, or the interpreter's upcast of 16-bit ones)
+    multiply in IEEE fp32, never TF32; bf16/fp16 operands take the tensor cores."""
+    import torch
+
+    return "ieee" if dtype == torch.float32 or dot_fp32(dtype) else "tf32"
+
+
 def dot_fp32(dtype) -> bool:
     """Whether a kernel must upcast `tl.dot` operands of this dtype to fp32 (interpreter only)."""
     import torch

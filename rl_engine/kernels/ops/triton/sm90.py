@@ -1,4 +1,4 @@
-"""Compile the attention kernels for the H200 (sm_90a) on a machine without a GPU.
+"""Compile the attention, grouped-GEMM and linear_logp kernels for the H200 (sm_90a) without a GPU.
 
     TRITON_INTERPRET=0 python -m rl_engine.kernels.ops.triton.sm90 [--tile M,N,WARPS,STAGES]
 
@@ -7,67 +7,190 @@ only on the H200). `triton.compile` with a CUDA target runs the whole GPU pipeli
 ptxas's machine code, with no GPU present, so CI can see a kernel that will not compile, or whose
 tiles overflow the H200's shared memory, before a device session does. It must run with the
 interpreter off (the interpreter replaces kernels by Python functions); tests start it in a
-subprocess. Prints one JSON object: {"<kind>/<dtype>/<head_dim>": {"shared": bytes, "cubin": bytes,
-"wgmma": count} or {"error": "..."}}.
+subprocess. Prints one JSON object: {"<kind>/<dtype>/<head_dim>" (attention) or "grouped_<kind>/<dtype>":
+{"shared": bytes, "cubin": bytes, "wgmma": count[, "registers", "spill_bytes" with --registers]} or
+{"error": "..."}}.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
 import torch
 
+from rl_engine.kernels.ops.triton.runtime import dot_precision
+
 H200_SHARED_BYTES = 227 * 1024
+ATTENTION_KERNELS = ("forward", "forward_partial", "combine", "dq", "dkdv")
 CASES = [(torch.bfloat16, d) for d in (8, 64, 80, 128, 256)] + [(torch.float32, d) for d in (8, 128, 256)]
 # Launches specialise pointers and integer arguments that are multiples of 16 as 16-byte aligned (what
 # makes loads vectorised and pipelined); these are, at every shape a model runs.
-_ALIGNED = {"Q", "K", "V", "O", "LSE", "SEQ_INFO", "DO", "DELTA", "DQ", "DK", "DV",
-            "stride_qr", "stride_qh", "stride_kr", "stride_kh", "stride_or", "stride_oh", "stride_lr"}
+_ALIGNED = {"Q", "K", "V", "O", "LSE", "PM", "PL", "PACC", "SEQ_INFO", "DO", "DELTA", "DQ", "DK", "DV",
+            "hidden_ptr", "weight_ptr", "target_ptr", "part_max_ptr", "part_sum_ptr", "target_logit_ptr",
+            "lse_ptr", "grad_out_ptr", "dlogits_ptr", "b_ptr", "logp_ptr", "H", "stride_hn", "stride_wv",
+            "stride_dn", "stride_ak", "stride_bk", "M",
+            "stride_qr", "stride_qh", "stride_kr", "stride_kh", "stride_or", "stride_oh", "stride_lr",
+            "a_ptr", "w_ptr", "c_ptr", "g_ptr", "dw_ptr", "tiles_ptr", "starts_ptr", "N",  # "K" is above
+            "stride_am", "stride_we", "stride_wn", "stride_cm", "stride_gm", "stride_de"}
+# Launches also specialise integer arguments equal to 1 as constants: the unit strides of row-major operands.
+_UNIT_STRIDES = {"stride_ak", "stride_wk", "stride_cn", "stride_gn", "stride_dk"}
 
 
-def compile_attention(kind: str, dtype: torch.dtype, head_dim: int, tile=None):
-    """The compiled kernel (triton.compile's result) of one attention kernel at its configured tiles."""
+def _compile(fn, constants: dict, types, num_warps: int, num_stages: int):
+    """triton.compile of fn for sm_90a; types(name) gives each runtime argument's Triton type."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from rl_engine.kernels.ops.triton.attention import flash
-
-    fn, field = {"forward": (flash._flash_forward_kernel, "forward"),
-                 "dq": (flash._flash_backward_dq_kernel, "backward_dq"),
-                 "dkdv": (flash._flash_backward_dkdv_kernel, "backward_dkdv")}[kind]
-    tile = tile or getattr(flash.attention_config(dtype, head_dim), field)
-    padded = flash.block_d(head_dim)
-    constants = dict(CAUSAL=True, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=padded,
-                     EVEN_D=padded == head_dim, SPLIT=dtype != torch.float32, DOT_FP32=False,
-                     DOT_PRECISION=flash.dot_precision(dtype))
-    element = "*bf16" if dtype == torch.bfloat16 else "*fp32"
     names = fn.arg_names
-    signature = {}
-    for name in names:
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name == "SEQ_INFO":
-            signature[name] = "*i32"
-        elif name in ("LSE", "DELTA"):
-            signature[name] = "*fp32"
-        elif name.isupper():
-            signature[name] = element
-        else:
-            signature[name] = "fp32" if name in ("qk_scale", "scale") else "i32"
+    signature = {n: "constexpr" if n in constants else types(n) for n in names}
     source = ASTSource(fn=fn, signature=signature,
                        constexprs={(names.index(k),): v for k, v in constants.items()},
                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names if n in _ALIGNED})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": tile.num_warps, "num_stages": tile.num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def compile_attention(kind: str, dtype: torch.dtype, head_dim: int, tile=None):
+    """The compiled kernel (triton.compile's result) of one attention kernel at its configured tiles."""
+    from rl_engine.kernels.ops.triton.attention import flash
+
+    config = flash.attention_config(dtype, head_dim)
+    padded = flash.block_d(head_dim)
+    element = "*bf16" if dtype == torch.bfloat16 else "*fp32"
+    if kind == "combine":
+        constants = dict(BLOCK_R=flash.COMBINE_BLOCK_R, BLOCK_D=padded)
+        return _compile(flash._split_combine_kernel, constants,
+                        lambda n: element if n == "O" else "*fp32" if n.isupper() else "i32", 4, 1)
+    fn, field = {"forward": (flash._flash_forward_kernel, "forward"),
+                 "forward_partial": (flash._flash_forward_kernel, "forward"),
+                 "dq": (flash._flash_backward_dq_kernel, "backward_dq"),
+                 "dkdv": (flash._flash_backward_dkdv_kernel, "backward_dkdv")}[kind]
+    tile = tile or getattr(config, field)
+    constants = dict(CAUSAL=True, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=padded,
+                     EVEN_D=padded == head_dim, MASK_SPLIT=dtype != torch.float32, DOT_FP32=False,
+                     DOT_PRECISION=dot_precision(dtype))
+    if fn is flash._flash_forward_kernel:
+        constants.update(KV_SPLIT=config.kv_split, PARTIAL=kind == "forward_partial")
+
+    def types(name: str) -> str:
+        if name == "SEQ_INFO":
+            return "*i32"
+        if name in ("LSE", "DELTA", "PM", "PL", "PACC"):
+            return "*fp32"
+        if name.isupper():
+            return element
+        return "fp32" if name in ("qk_scale", "scale") else "i32"
+
+    return _compile(fn, constants, types, tile.num_warps, tile.num_stages)
+
+
+def compile_grouped_matmul(kind: str, dtype: torch.dtype):
+    """The grouped GEMM's forward/input-gradient kernel ("matmul") or weight-gradient kernel ("weight_grad")
+    at the tiles its wrapper launches for Qwen3-30B-A3B expert shapes (N = 768, K = 2048)."""
+    from rl_engine.kernels.ops.triton.linear import grouped_matmul as gm
+    from rl_engine.kernels.ops.triton.linear.matmul import matmul_config
+
+    cfg = matmul_config(dtype, 768, 2048)
+    precision = dot_precision(dtype)  # the interpreter is off here: the GPU's choice
+    element = "*bf16" if dtype == torch.bfloat16 else "*fp32"
+    if kind == "matmul":
+        fn = gm._grouped_matmul_kernel
+        constants = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_FP32=False,
+                         INPUT_PRECISION=precision)
+    else:
+        fn = gm._grouped_weight_grad_kernel
+        constants = dict(BLOCK_N=min(cfg.block_m, 128), BLOCK_K=min(cfg.block_n, 128), BLOCK_R=cfg.block_k,
+                         DOT_FP32=False, INPUT_PRECISION=precision)
+    constants.update({name: 1 for name in fn.arg_names if name in _UNIT_STRIDES})
+
+    def types(name: str) -> str:
+        if name in ("tiles_ptr", "starts_ptr"):
+            return "*i32"
+        return element if name.endswith("_ptr") else "i32"
+
+    return _compile(fn, constants, types, cfg.num_warps, cfg.num_stages)
+
+
+LINEAR_LOGP_KERNELS = ("partials", "combine", "dlogits", "dh", "dw")
+
+
+def compile_linear_logp(kind: str, dtype: torch.dtype):
+    """linear_logp's kernels at its GPU configuration (Qwen3-8B: V = 151936, H = 4096): the forward's
+    logits partials and combine, the backward's logits recompute and its two gradient GEMMs."""
+    from rl_engine.kernels.ops.triton.loss import linear_logp as ll
+
+    cfg = dict(ll._GPU_CONFIGS["fp32" if dtype == torch.float32 else "16bit"])
+    element = "*bf16" if dtype == torch.bfloat16 else "*fp32"
+    precision = dot_precision(dtype)  # the interpreter is off here: the GPU's choice
+    tiles = dict(BLOCK_T=cfg["BLOCK_T"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"], GROUP=cfg["GROUP"],
+                 HAS_BIAS=False, EVEN_H=True, DOT_FP32=False, INPUT_PRECISION=precision)
+    fp32_ptrs = {"part_max_ptr", "part_sum_ptr", "target_logit_ptr", "logp_ptr", "lse_ptr", "grad_out_ptr"}
+
+    def types(name: str) -> str:
+        if name == "target_ptr":
+            return "*i64"
+        if name in fp32_ptrs:
+            return "*fp32"
+        return element if name.endswith("_ptr") else "i32"
+
+    if kind == "combine":
+        return _compile(ll._combine_kernel, {"BLOCK": 2048}, types, 4, 1)
+    if kind in ("partials", "dlogits"):
+        fn = ll._partials_kernel if kind == "partials" else ll._dlogits_kernel
+        constants = dict(tiles, stride_hh=1, stride_wh=1)
+        return _compile(fn, constants, types, cfg["num_warps"], cfg["num_stages"])
+    gemm = cfg["DH" if kind == "dh" else "DW"]
+    constants = dict(BLOCK_M=gemm["BLOCK_M"], BLOCK_N=gemm["BLOCK_N"], BLOCK_K=gemm["BLOCK_K"], GROUP=gemm["GROUP"],
+                     ROW_SUM=False, EVEN_K=True, DOT_FP32=False, INPUT_PRECISION=precision,
+                     stride_bn=1, stride_cn=1)
+    # dH += dlogits @ W[chunk] into the fp32 accumulator; dW[chunk] = dlogits^T @ hidden (A read transposed).
+    constants.update(ACCUMULATE=True, stride_ak=1) if kind == "dh" else constants.update(ACCUMULATE=False, stride_am=1)
+
+    def gemm_types(name: str) -> str:
+        if kind == "dh" and name == "c_ptr":
+            return "*fp32"
+        return types(name)
+
+    return _compile(ll._matmul_kernel, constants, gemm_types, gemm["num_warps"], gemm["num_stages"])
+
+
+def _summary(kernel, registers: bool = False) -> dict:
+    summary = {"shared": kernel.metadata.shared, "cubin": len(kernel.asm.get("cubin", b"")),
+               "wgmma": kernel.asm["ptx"].count("wgmma.mma_async")}
+    if registers:
+        summary.update(ptxas_registers(kernel.asm["ptx"]))
+    return summary
+
+
+def ptxas_registers(ptx: str) -> dict:
+    """{"registers": per thread, "spill_bytes": spill stores} from `ptxas -v` on the kernel's PTX: a
+    kernel that spills pays local-memory traffic in its inner loop, so tiles can be screened here."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"],
+                             capture_output=True, text=True, check=True).stderr
+    registers = re.search(r"Used (\d+) registers", out)
+    spills = re.search(r"(\d+) bytes spill stores", out)
+    return {"registers": int(registers.group(1)) if registers else None,
+            "spill_bytes": int(spills.group(1)) if spills else 0}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tile", help="force one tile M,N,WARPS,STAGES on every kernel (to test the check)")
+    parser.add_argument("--tile", help="force one attention tile M,N,WARPS,STAGES (to test the check; skips the GEMMs)")
     parser.add_argument("--cases", help="dtype/head_dim list, e.g. bf16/128,fp32/256 (default: all)")
+    parser.add_argument("--registers", action="store_true", help="also registers and spill bytes (ptxas -v)")
     args = parser.parse_args(argv)
     from rl_engine.kernels.ops.triton.runtime import interpreting
 
@@ -81,16 +204,24 @@ def main(argv=None) -> int:
         dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
         cases = [(dtypes[c.split("/")[0]], int(c.split("/")[1])) for c in args.cases.split(",")]
     results = {}
+
+    def record(key, build):
+        try:
+            results[key] = _summary(build(), args.registers)
+        except Exception as exc:  # noqa: BLE001 - a kernel that fails to compile is the finding
+            results[key] = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"}
+        print(f"sm90 {key}: {results[key]}", file=sys.stderr, flush=True)
+
+    if not args.tile:
+        for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+            for kind in ("matmul", "weight_grad"):
+                record(f"grouped_{kind}/{name}", functools.partial(compile_grouped_matmul, kind, dtype))
+            for kind in LINEAR_LOGP_KERNELS:
+                record(f"linear_logp_{kind}/{name}", functools.partial(compile_linear_logp, kind, dtype))
     for dtype, head_dim in cases:
-        for kind in ("forward", "dq", "dkdv"):
+        for kind in ATTENTION_KERNELS:
             key = f"{kind}/{'bf16' if dtype == torch.bfloat16 else 'fp32'}/{head_dim}"
-            try:
-                kernel = compile_attention(kind, dtype, head_dim, tile)
-                results[key] = {"shared": kernel.metadata.shared, "cubin": len(kernel.asm.get("cubin", b"")),
-                                "wgmma": kernel.asm["ptx"].count("wgmma.mma_async")}
-            except Exception as exc:  # noqa: BLE001 - a kernel that fails to compile is the finding
-                results[key] = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"}
-            print(f"sm90 {key}: {results[key]}", file=sys.stderr, flush=True)
+            record(key, functools.partial(compile_attention, kind, dtype, head_dim, tile))
     print(json.dumps(results))
     return 0
 

@@ -9,6 +9,8 @@ Under the CPU interpreter bf16 operands take the fp32-upcast `tl.dot` path (`dot
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -173,6 +175,18 @@ def test_another_key_block_size_is_caught(monkeypatch):
     other = flash.TileConfig(config.forward.block_m, 8, config.forward.num_warps, config.forward.num_stages)
     monkeypatch.setattr(flash, "attention_config", lambda dtype, d: flash.AttentionConfig(other, other, other))
     assert not torch.equal(triton_attention(q[None], k[None], v[None]), baseline)
+
+
+def test_another_kv_split_is_caught(monkeypatch):
+    # Planted bug: decode folding its keys in 16-key splits while the prefill used 32-key ones.
+    (q, k, v), = _sequences([45], 4, 1, 16, torch.bfloat16, seed=6)
+    prefill = triton_attention(q[None], k[None], v[None])[0, -1]
+    k_cache, v_cache = _cache([(q, k, v)])
+    decode = lambda: triton_kv_cache_attention(q[None, -1:], k_cache, v_cache, torch.tensor([45], device=DEVICE))  # noqa: E731
+    assert torch.equal(decode()[0, 0], prefill)
+    config = flash.attention_config(torch.bfloat16, 16)
+    monkeypatch.setattr(flash, "attention_config", lambda dtype, d: dataclasses.replace(config, kv_split=16))
+    assert not torch.equal(decode()[0, 0], prefill)
 
 
 @pytest.mark.gpu

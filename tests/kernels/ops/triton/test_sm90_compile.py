@@ -1,4 +1,4 @@
-"""The attention kernels compile for the H200 (sm_90a) here, on the CPU, at every configured tile.
+"""The attention, grouped-GEMM and linear_logp kernels compile for the H200 (sm_90a) here, on the CPU.
 
 See rl_engine/kernels/ops/triton/sm90.py: the interpreter hides compile failures, ptxas does not.
 One subprocess (the interpreter off) compiles every case; the tests read its report.
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from rl_engine.kernels.ops.triton.sm90 import H200_SHARED_BYTES
+from rl_engine.kernels.ops.triton.sm90 import ATTENTION_KERNELS, H200_SHARED_BYTES, LINEAR_LOGP_KERNELS
 
 # One case per tile class of attention_config: small heads, a padded head (80), the main bf16 tiles,
 # 256-lane heads, and fp32's two classes.
@@ -33,15 +33,33 @@ def report():
     return run_sm90("--cases", ",".join(CASES))
 
 
-@pytest.mark.parametrize("kind", ["forward", "dq", "dkdv"])
+@pytest.mark.parametrize("kind", ATTENTION_KERNELS)
 @pytest.mark.parametrize("case", CASES)
 def test_attention_compiles_for_the_h200(report, kind, case):
     result = report[f"{kind}/{case}"]
     assert "error" not in result, result["error"]
     assert result["cubin"] > 0, "ptxas produced no machine code"
     assert result["shared"] <= H200_SHARED_BYTES, result
-    if case.startswith("bf16") and int(case.split("/")[1]) >= 64:
+    if case.startswith("bf16") and int(case.split("/")[1]) >= 64 and kind != "combine":
         assert result["wgmma"] > 0, "bf16 tiles should reach Hopper's asynchronous tensor-core MMA"
+
+
+@pytest.mark.parametrize("key", ["grouped_matmul/bf16", "grouped_weight_grad/bf16", "grouped_matmul/fp32",
+                                 "grouped_weight_grad/fp32"])
+def test_grouped_matmul_compiles_for_the_h200(report, key):
+    result = report[key]
+    assert "error" not in result, result["error"]
+    assert result["cubin"] > 0 and result["shared"] <= H200_SHARED_BYTES, result
+    if key.endswith("bf16"):
+        assert result["wgmma"] > 0
+
+
+@pytest.mark.parametrize("kind", LINEAR_LOGP_KERNELS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_linear_logp_compiles_for_the_h200(report, kind, dtype):
+    result = report[f"linear_logp_{kind}/{dtype}"]
+    assert "error" not in result, result["error"]
+    assert result["cubin"] > 0 and result["shared"] <= H200_SHARED_BYTES, result
 
 
 def test_a_tile_that_overflows_shared_memory_is_caught():
@@ -55,3 +73,8 @@ def test_it_refuses_to_run_under_the_interpreter():
     proc = subprocess.run([sys.executable, "-m", "rl_engine.kernels.ops.triton.sm90"], capture_output=True,
                           text=True, env=env, timeout=300)
     assert proc.returncode == 2 and "TRITON_INTERPRET=0" in proc.stderr
+
+
+def test_registers_and_spills_are_read_from_ptxas():
+    result = run_sm90("--registers", "--cases", "bf16/8")["forward/bf16/8"]
+    assert 0 < result["registers"] <= 255 and result["spill_bytes"] >= 0, result

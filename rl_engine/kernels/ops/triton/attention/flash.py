@@ -19,7 +19,15 @@ Key blocks that every query of a tile sees whole (below the tile's diagonal, ins
 without masks; the others are masked. Both kinds of block run the same instructions on a visible
 score (the scale goes in through an explicit fma, never a contraction the compiler may or may not
 make), so a (query, block) pair gives the same bits whichever kind its tile makes it. fp32 skips
-the split (SPLIT=False): it doubles the compile time of kernels whose speed matters less.
+the split (MASK_SPLIT=False): it doubles the compile time of kernels whose speed matters less.
+KV splits (one size per (dtype, head_dim), `AttentionConfig.kv_split`, never chosen from the batch):
+a query's keys are reduced split by split, [0, kv_split), [kv_split, 2·kv_split), …, each split from
+a fresh softmax state, and the splits' states are folded left to right (`_merge_split`, explicit fmas).
+A prefill program folds its splits as it walks them; decode and short chunks, whose one query tile
+would leave the GPU idle, run one program per split (PARTIAL) and fold the same states in the same
+order in `_split_combine_kernel`: the same bits, prefill ≡ packed ≡ chunked ≡ decode, with the
+parallelism of split-KV decoding. Within one split nothing changes, so a sequence shorter than a split
+gets the bits of a kernel without splits.
 The online softmax keeps (m, l, acc) in fp32; a key block entirely masked for a query row leaves
 that row's (m, l, acc) bitwise unchanged (alpha = exp2(0) = 1, p = 0, acc + 0·v = acc), so the
 extra blocks a tile walks for its other rows never change a row's bits. A row of a `tl.dot` result
@@ -54,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rl_engine.kernels.ops.triton.runtime import cast_rne, dot_fp32
+from rl_engine.kernels.ops.triton.runtime import cast_rne, dot_fp32, dot_precision
 
 LOG2_E = 1.4426950408889634
 # The running max starts finite so that a block masked for a row gives alpha = exp2(0) = 1, not NaN.
@@ -77,15 +85,19 @@ class AttentionConfig:
     forward: TileConfig
     backward_dq: TileConfig
     backward_dkdv: TileConfig
+    # Keys per KV split (a multiple of the forward's BLOCK_N): every forward reduces a query's keys split
+    # by split, folding the splits' partial softmax states left to right (see the module docstring).
+    # 2048 as SGLang's deterministic mode uses; to be measured (benchmarks/attention_tiles.py).
+    kv_split: int = 2048
 
 
 def attention_config(dtype: torch.dtype, head_dim: int) -> AttentionConfig:
     """The one tile configuration per (dtype, head_dim): never chosen from batch, length or layout."""
     if head_dim > 256:
         raise ValueError(f"q: head_dim must be at most 256, got {head_dim}")
-    if head_dim <= 32:  # small heads (the interpreter tests): several blocks even at S ~ 40
+    if head_dim <= 32:  # small heads (the interpreter tests): several blocks and splits even at S ~ 40
         tile = TileConfig(16, 16, 4, 2)
-        return AttentionConfig(tile, tile, tile)
+        return AttentionConfig(tile, tile, tile, kv_split=32)
     if dtype == torch.float32 and head_dim > 128:
         # 64-row fp32 tiles 256 lanes wide need 256 KiB of shared memory in the backward (H200: 227 KiB).
         small = TileConfig(32, 32, 4, 2)
@@ -128,14 +140,42 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 operands (fp32 inputs, or the interpreter's upcast path) multiply in IEEE fp32, never TF32;
-    bf16/fp16 operands take the tensor cores with Triton's default setting."""
-    return "ieee" if dtype == torch.float32 or dot_fp32(dtype) else "tf32"
-
-
 # --------------------------------------------------------------------------------------------------
 # forward
+
+
+@triton.jit
+def _key_blocks(q_pos0, first_q, rows, q_count, kv_len, window, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                MASK_SPLIT: tl.constexpr):
+    """The key blocks of a query tile (queries first_q … first_q + rows − 1 of a sequence): [lo, mid)
+    every query of the tile sees whole (no mask), [mid, hi) the rest (masked); all multiples of BLOCK_N
+    counted from the first key. Only windowed (padding) rows skip leading blocks."""
+    hi = kv_len
+    if CAUSAL:
+        hi = tl.minimum(kv_len, q_pos0 + tl.minimum(first_q + rows, q_count))
+    hi = tl.where(first_q < q_count, hi, 0)  # a tile past the sequence's queries: no work
+    lo = (tl.maximum(q_pos0 + first_q - window + 1, 0) // BLOCK_N) * BLOCK_N
+    mid = kv_len
+    if CAUSAL:
+        mid = tl.minimum(mid, q_pos0 + first_q + 1)
+    mid = tl.where(window == _NO_WINDOW, lo + tl.maximum(mid - lo, 0) // BLOCK_N * BLOCK_N, lo)
+    mid = tl.minimum(mid, hi)
+    if not MASK_SPLIT:
+        mid = lo
+    return lo, mid, hi
+
+
+@triton.jit
+def _whole_kv_block(K, V, k_row0, start_n, stride_kr, k_col, d_ok, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K and V rows [start_n, start_n + BLOCK_N) of a block inside kv_len: no row mask."""
+    k_off = (k_row0 + start_n + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_kr
+    if EVEN_D:
+        k = tl.load(K + k_off[:, None] + k_col)
+        v = tl.load(V + k_off[:, None] + k_col)
+    else:
+        k = tl.load(K + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
+        v = tl.load(V + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
+    return k, v
 
 
 @triton.jit
@@ -163,16 +203,37 @@ def _online_softmax_block(q, k, v, m, l, acc, visible, qk_scale, kv_base: tl.con
     return m_new, l, acc
 
 
+@triton.jit
+def _merge_split(m_t, l_t, acc_t, m, l, acc):
+    """(m_t, l_t, acc_t) ⊕ (m, l, acc): the left fold of KV-split partial states, the same instructions in
+    the forward kernel and in the combine kernel (explicit fmas). Folding a fresh state (M_INIT, 0, 0)
+    changes nothing, and folding into one gives the other state's bits back."""
+    m_new = tl.maximum(m_t, m)
+    a_t = tl.math.exp2(m_t - m_new)
+    a = tl.math.exp2(m - m_new)
+    l_new = tl.fma(l, a, l_t * a_t)
+    acc_new = tl.fma(acc, a[:, None], acc_t * a_t[:, None])
+    return m_new, l_new, acc_new
+
+
 @triton.jit(do_not_specialize=["heads_per_tile", "q_per_tile"])
 def _flash_forward_kernel(
-    Q, K, V, O, LSE, SEQ_INFO,
+    Q, K, V, O, LSE, PM, PL, PACC, SEQ_INFO,
     stride_qr, stride_qh, stride_kr, stride_kh, stride_or, stride_oh, stride_lr,
+    stride_ps, stride_pr, stride_ph, stride_as, stride_ar, stride_ah,
     qk_scale, group, heads_per_tile, q_per_tile, head_dim,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_SPLIT: tl.constexpr, PARTIAL: tl.constexpr,
+    EVEN_D: tl.constexpr, MASK_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # The last query tiles walk the most key blocks under the causal mask: launch them first.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    # PARTIAL: program_id(0) is a KV split of the sequence's only query tile; the program writes that
+    # split's unnormalised state (m, l, acc) to PM/PL/PACC for the combine kernel. Otherwise it is a
+    # query tile (the last ones, which walk the most key blocks under the causal mask, launched first)
+    # and the program folds all the tile's splits itself and writes the output.
+    if PARTIAL:
+        pid_m = 0
+    else:
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_h = tl.program_id(1)
     info = SEQ_INFO + tl.program_id(2) * 6
     q_row0 = tl.load(info + 0)
@@ -198,64 +259,102 @@ def _flash_forward_kernel(
     if DOT_FP32:
         q = q.to(tl.float32)
 
-    m = tl.full([BLOCK_M], M_INIT, dtype=tl.float32)
-    l = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-    first_q = pid_m * q_per_tile
-    hi = kv_len
-    if CAUSAL:
-        last_q = tl.minimum(first_q + q_per_tile, q_count) - 1
-        hi = tl.minimum(kv_len, q_pos0 + last_q + 1)
-    hi = tl.where(first_q < q_count, hi, 0)  # a tile past the sequence's queries: no work
-    # Blocks stay aligned to the first key; only windowed (padding) rows skip the leading ones.
-    lo = (tl.maximum(q_pos0 + first_q - window + 1, 0) // BLOCK_N) * BLOCK_N
-    # [lo, mid): blocks every query of the tile sees whole (no mask); [mid, hi): the rest, masked.
-    mid = kv_len
-    if CAUSAL:
-        mid = tl.minimum(mid, q_pos0 + first_q + 1)
-    mid = tl.where(window == _NO_WINDOW, lo + tl.maximum(mid - lo, 0) // BLOCK_N * BLOCK_N, lo)
-    mid = tl.minimum(mid, hi)
-    if not SPLIT:
-        mid = lo
+    lo, mid, hi = _key_blocks(q_pos0, pid_m * q_per_tile, q_per_tile, q_count, kv_len, window, CAUSAL, BLOCK_N,
+                              MASK_SPLIT)
+    # KV splits [s0, s0 + KV_SPLIT), aligned to the sequence's first key like the blocks.
+    split_lo = lo // KV_SPLIT * KV_SPLIT
+    split_hi = hi
+    if PARTIAL:
+        split_lo = tl.maximum(split_lo, tl.program_id(0) * KV_SPLIT)
+        split_hi = tl.minimum(hi, tl.program_id(0) * KV_SPLIT + 1)  # this split only
     kv_base = K.dtype.element_ty
     k_col = kv_head * stride_kh + d[None, :]
-    if SPLIT:  # fp32 skips the split: its speed matters less than its compile time
-        for start_n in range(lo, mid, BLOCK_N):
-            k_off = (k_row0 + start_n + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_kr
-            if EVEN_D:
-                k = tl.load(K + k_off[:, None] + k_col)
-                v = tl.load(V + k_off[:, None] + k_col)
-            else:
-                k = tl.load(K + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
-                v = tl.load(V + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
+
+    m_t = tl.full([BLOCK_M], M_INIT, dtype=tl.float32)
+    l_t = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc_t = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m = m_t
+    l = l_t
+    acc = acc_t
+    for s0 in range(split_lo, split_hi, KV_SPLIT):
+        s1 = tl.minimum(s0 + KV_SPLIT, hi)
+        b0 = tl.maximum(s0, lo)
+        m = tl.full([BLOCK_M], M_INIT, dtype=tl.float32)
+        l = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        if MASK_SPLIT:  # fp32 skips the mask split: its speed matters less than its compile time
+            for start_n in range(b0, tl.minimum(mid, s1), BLOCK_N):
+                k, v = _whole_kv_block(K, V, k_row0, start_n, stride_kr, k_col, d_ok, EVEN_D, BLOCK_N)
+                if DOT_FP32:
+                    k = k.to(tl.float32)
+                m, l, acc = _online_softmax_block(q, k, v, m, l, acc, None, qk_scale, kv_base,
+                                                  False, DOT_FP32, DOT_PRECISION)
+        for start_n in range(tl.maximum(mid, b0), s1, BLOCK_N):
+            k_pos = start_n + tl.arange(0, BLOCK_N)
+            k_ok = k_pos < kv_len
+            k_off = (k_row0 + k_pos).to(tl.int64) * stride_kr
+            kv_mask = k_ok[:, None] & d_ok[None, :]
+            k = tl.load(K + k_off[:, None] + k_col, mask=kv_mask, other=0.0)
+            v = tl.load(V + k_off[:, None] + k_col, mask=kv_mask, other=0.0)
             if DOT_FP32:
                 k = k.to(tl.float32)
-            m, l, acc = _online_softmax_block(q, k, v, m, l, acc, None, qk_scale, kv_base,
-                                              False, DOT_FP32, DOT_PRECISION)
-    for start_n in range(mid, hi, BLOCK_N):
-        k_pos = start_n + tl.arange(0, BLOCK_N)
-        k_ok = k_pos < kv_len
-        k_off = (k_row0 + k_pos).to(tl.int64) * stride_kr
-        kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + k_off[:, None] + k_col, mask=kv_mask, other=0.0)
-        v = tl.load(V + k_off[:, None] + k_col, mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-        visible = k_ok[None, :] & (k_pos[None, :] > q_pos[:, None] - window)
-        if CAUSAL:
-            visible = visible & (k_pos[None, :] <= q_pos[:, None])
-        m, l, acc = _online_softmax_block(q, k, v, m, l, acc, visible, qk_scale, kv_base,
-                                          True, DOT_FP32, DOT_PRECISION)
+            visible = k_ok[None, :] & (k_pos[None, :] > q_pos[:, None] - window)
+            if CAUSAL:
+                visible = visible & (k_pos[None, :] <= q_pos[:, None])
+            m, l, acc = _online_softmax_block(q, k, v, m, l, acc, visible, qk_scale, kv_base,
+                                              True, DOT_FP32, DOT_PRECISION)
+        if not PARTIAL:
+            m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m, l, acc)
 
-    # A query with no visible key outputs 0, not NaN; a NaN l (inf − inf in the scores) stays NaN, so
-    # the lse and the backward's weights of that row are NaN too, as the gold's softmax says.
-    l_safe = tl.where(l == 0.0, 1.0, l)
-    out = acc / l_safe[:, None]
-    o_off = (q_row0 + q_idx).to(tl.int64) * stride_or + head * stride_oh
-    tl.store(O + o_off[:, None] + d[None, :], cast_rne(out, O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    lse = m + tl.math.log2(l_safe)  # rows without keys are never stored
-    tl.store(LSE + (q_row0 + q_idx).to(tl.int64) * stride_lr + head, lse, mask=row_ok)
+    if PARTIAL:  # this split's state (fresh if it holds none of the tile's keys: folding it is a no-op)
+        r64 = (q_row0 + q_idx).to(tl.int64)
+        split = tl.program_id(0)
+        p_off = split * stride_ps + r64 * stride_pr + head * stride_ph
+        tl.store(PM + p_off, m, mask=row_ok)
+        tl.store(PL + p_off, l, mask=row_ok)
+        a_off = split * stride_as + r64 * stride_ar + head * stride_ah
+        tl.store(PACC + a_off[:, None] + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        # A query with no visible key outputs 0, not NaN; a NaN l (inf − inf in the scores) stays NaN,
+        # so the lse and the backward's weights of that row are NaN too, as the gold's softmax says.
+        l_safe = tl.where(l_t == 0.0, 1.0, l_t)
+        out = acc_t / l_safe[:, None]
+        o_off = (q_row0 + q_idx).to(tl.int64) * stride_or + head * stride_oh
+        tl.store(O + o_off[:, None] + d[None, :], cast_rne(out, O.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+        lse = m_t + tl.math.log2(l_safe)  # rows without keys are never stored
+        tl.store(LSE + (q_row0 + q_idx).to(tl.int64) * stride_lr + head, lse, mask=row_ok)
+
+
+@triton.jit
+def _split_combine_kernel(
+    PM, PL, PACC, O, LSE, num_splits, n_rows, hq, head_dim,
+    stride_ps, stride_pr, stride_ph, stride_as, stride_ar, stride_ah, stride_or, stride_oh, stride_lr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # Folds the splits' states of BLOCK_R (row, head) pairs left to right, exactly as the forward
+    # kernel folds them in a program that walks every split, then normalises as it does.
+    pair = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = pair < n_rows * hq
+    r64 = (pair // hq).to(tl.int64)
+    head = pair % hq
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    m_t = tl.full([BLOCK_R], M_INIT, dtype=tl.float32)
+    l_t = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc_t = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for split in range(0, num_splits):
+        p_off = split * stride_ps + r64 * stride_pr + head * stride_ph
+        m = tl.load(PM + p_off, mask=ok, other=M_INIT)
+        l = tl.load(PL + p_off, mask=ok, other=0.0)
+        a_off = split * stride_as + r64 * stride_ar + head * stride_ah
+        acc = tl.load(PACC + a_off[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+        m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m, l, acc)
+    l_safe = tl.where(l_t == 0.0, 1.0, l_t)
+    out = acc_t / l_safe[:, None]
+    o_off = r64 * stride_or + head * stride_oh
+    tl.store(O + o_off[:, None] + d[None, :], cast_rne(out, O.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
+    tl.store(LSE + r64 * stride_lr + head, m_t + tl.math.log2(l_safe), mask=ok)
 
 
 def _check_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -281,19 +380,45 @@ def flash_forward(q, k, v, table: SequenceTable, *, causal: bool, scale: float, 
     out = torch.empty_like(q)
     lse = torch.empty((rows, hq), dtype=torch.float32, device=q.device)  # read back only for covered rows
     q_per_tile = cfg.block_m // heads_per_tile
-    grid = (triton.cdiv(max(table.max_q_count, 1), q_per_tile), hq // heads_per_tile, table.num_sequences)
     if table.num_sequences == 0 or rows == 0:
         return out, lse
+    kv_split = attention_config(q.dtype, head_dim).kv_split
+    num_splits = triton.cdiv(max(table.max_kv_len, 1), kv_split)
+    # One query tile per sequence (decode, short chunks) and several splits: one program per split, then
+    # the combine kernel. The bits are the same either way (both fold the same split states in the same
+    # order); only the parallelism differs.
+    partial = table.max_q_count <= q_per_tile and num_splits > 1
+    if partial:
+        pm = torch.empty((num_splits, rows, hq), dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+        pacc = torch.empty((num_splits, rows, hq, head_dim), dtype=torch.float32, device=q.device)
+        grid = (num_splits, hq // heads_per_tile, table.num_sequences)
+    else:
+        pm = pl = pacc = lse  # unused
+        grid = (triton.cdiv(max(table.max_q_count, 1), q_per_tile), hq // heads_per_tile, table.num_sequences)
+    p_strides = (pm.stride(0), pm.stride(1), pm.stride(2)) if partial else (0, 0, 0)
+    a_strides = (pacc.stride(0), pacc.stride(1), pacc.stride(2)) if partial else (0, 0, 0)
     _flash_forward_kernel[grid](
-        q, k, v, out, lse, table.info,
+        q, k, v, out, lse, pm, pl, pacc, table.info,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+        *p_strides, *a_strides,
         scale * LOG2_E, group, heads_per_tile, q_per_tile, head_dim,
-        CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_D=block_d(head_dim), EVEN_D=block_d(head_dim) == head_dim,
-        SPLIT=q.dtype != torch.float32, DOT_FP32=dot_fp32(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d(head_dim),
+        KV_SPLIT=kv_split, PARTIAL=partial, EVEN_D=block_d(head_dim) == head_dim,
+        MASK_SPLIT=q.dtype != torch.float32, DOT_FP32=dot_fp32(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if partial:
+        # Rows no sequence covers hold garbage partials; their outputs are garbage too, as documented.
+        _split_combine_kernel[(triton.cdiv(rows * hq, COMBINE_BLOCK_R),)](
+            pm, pl, pacc, out, lse, num_splits, rows, hq, head_dim,
+            *p_strides, *a_strides, out.stride(0), out.stride(1), lse.stride(0),
+            BLOCK_R=COMBINE_BLOCK_R, BLOCK_D=block_d(head_dim),
+        )
     return out, lse
+
+
+COMBINE_BLOCK_R = 16
 
 
 # --------------------------------------------------------------------------------------------------
@@ -340,7 +465,7 @@ def _flash_backward_dq_kernel(
     stride_qr, stride_qh, stride_kr, stride_kh, stride_lr,
     qk_scale, scale, group, head_dim,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, MASK_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) query blocks first
     head = tl.program_id(1)
@@ -370,31 +495,13 @@ def _flash_backward_dq_kernel(
         do = do.to(tl.float32)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    first_q = pid_m * BLOCK_M
-    hi = kv_len
-    if CAUSAL:
-        hi = tl.minimum(kv_len, q_pos0 + tl.minimum(first_q + BLOCK_M, q_count))
-    hi = tl.where(first_q < q_count, hi, 0)
-    lo = (tl.maximum(q_pos0 + first_q - window + 1, 0) // BLOCK_N) * BLOCK_N
-    # [lo, mid): key blocks every query of the block sees whole, unmasked; [mid, hi): masked.
-    mid = kv_len
-    if CAUSAL:
-        mid = tl.minimum(mid, q_pos0 + first_q + 1)
-    mid = tl.where(window == _NO_WINDOW, lo + tl.maximum(mid - lo, 0) // BLOCK_N * BLOCK_N, lo)
-    mid = tl.minimum(mid, hi)
-    if not SPLIT:
-        mid = lo
+    lo, mid, hi = _key_blocks(q_pos0, pid_m * BLOCK_M, BLOCK_M, q_count, kv_len, window, CAUSAL, BLOCK_N,
+                              MASK_SPLIT)
     k_base = K.dtype.element_ty
     k_col = kv_head * stride_kh + d[None, :]
-    if SPLIT:
+    if MASK_SPLIT:
         for start_n in range(lo, mid, BLOCK_N):
-            k_off = (k_row0 + start_n + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_kr
-            if EVEN_D:
-                k = tl.load(K + k_off[:, None] + k_col)
-                v = tl.load(V + k_off[:, None] + k_col)
-            else:
-                k = tl.load(K + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
-                v = tl.load(V + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
+            k, v = _whole_kv_block(K, V, k_row0, start_n, stride_kr, k_col, d_ok, EVEN_D, BLOCK_N)
             dq = _dq_block(q, do, k, v, lse, delta, dq, None, qk_scale, k_base, False, DOT_FP32, DOT_PRECISION)
     for start_n in range(mid, hi, BLOCK_N):
         k_pos = start_n + tl.arange(0, BLOCK_N)
@@ -467,7 +574,7 @@ def _flash_backward_dkdv_kernel(
     stride_qr, stride_qh, stride_kr, stride_kh, stride_lr,
     qk_scale, scale, group, head_dim,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, MASK_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)  # under the causal mask the first key blocks do the most work: first
     kv_head = tl.program_id(1)
@@ -508,12 +615,12 @@ def _flash_backward_dkdv_kernel(
     full = tl.where(window == _NO_WINDOW, tl.maximum(q_count // BLOCK_M * BLOCK_M, mid), mid)
     mid = tl.minimum(mid, hi)
     full = tl.minimum(full, hi)
-    if not SPLIT:  # one masked loop over [lo, hi)
+    if not MASK_SPLIT:  # one masked loop over [lo, hi)
         full = lo
     q_base = Q.dtype.element_ty
     for g in range(0, group):  # the group's query heads, summed in a fixed order (no atomics)
         head = kv_head * group + g
-        if SPLIT:  # [lo, mid) masked, [mid, full) unmasked
+        if MASK_SPLIT:  # [lo, mid) masked, [mid, full) unmasked
             for start_m in range(lo, mid, BLOCK_M):
                 dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, q_row0, q_pos0, q_count, start_m, head,
                                      k_pos, k_ok, window, d, d_ok, stride_qr, stride_qh, stride_lr, qk_scale,
@@ -554,7 +661,7 @@ def flash_backward(do, q, k, v, out, lse, table: SequenceTable, *, causal: bool,
         out, do, delta, rows, out.stride(0), out.stride(1), delta.stride(0), head_dim,
         BLOCK_R=DELTA_BLOCK_R, BLOCK_D=padded_d,
     )
-    common = dict(CAUSAL=causal, BLOCK_D=padded_d, EVEN_D=padded_d == head_dim, SPLIT=q.dtype != torch.float32,
+    common = dict(CAUSAL=causal, BLOCK_D=padded_d, EVEN_D=padded_d == head_dim, MASK_SPLIT=q.dtype != torch.float32,
                   DOT_FP32=dot_fp32(q.dtype), DOT_PRECISION=dot_precision(q.dtype))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0))
     c = cfg.backward_dq

@@ -21,6 +21,7 @@ from rl_engine.kernels.ops.triton.attention.flash import (
     attention_config,
     default_scale,
     flash_attention_op,
+    flash_forward,
     sequence_table,
 )
 
@@ -56,11 +57,14 @@ def triton_kv_cache_attention(q, k_cache, v_cache, cache_seqlens, *, scale: floa
     )
     block_m = attention_config(q.dtype, d).forward.block_m
     rows = [t.reshape(-1, t.shape[2], t.shape[3]).contiguous() for t in (q, k_cache, v_cache)]
+    heads_per_tile = _heads_per_tile(hq // hkv, block_m, sq)
     with torch.no_grad():  # forward only: cached rows past a length are not covered by the table
-        out, _ = flash_attention_op(
-            *rows, table.info, table.max_q_count, table.max_kv_len, True, default_scale(d, scale),
-            _heads_per_tile(hq // hkv, block_m, sq),
-        )
+        if torch.compiler.is_compiling():  # traced: the custom op, whose fake gives the compiler shapes
+            out, _ = flash_attention_op(*rows, table.info, table.max_q_count, table.max_kv_len, True,
+                                        default_scale(d, scale), heads_per_tile)
+        else:  # eager (a decode step): the kernels directly, without a custom op's dispatch per call
+            out, _ = flash_forward(*rows, table, causal=True, scale=default_scale(d, scale),
+                                   heads_per_tile=heads_per_tile)
     return out.reshape(q.shape)
 
 

@@ -40,7 +40,7 @@ from triton._utils import validate_block_shape
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rl_engine.kernels.ops.pytorch.linear.matmul import NativeMatmulOp
-from rl_engine.kernels.ops.triton.runtime import dot_fp32, interpreting, needs_custom_op
+from rl_engine.kernels.ops.triton.runtime import dot_fp32, dot_precision, interpreting, needs_custom_op
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,7 +287,7 @@ def _make_plan(dtype: torch.dtype, n: int, k: int, device_index: int, config: Ma
         for block in ([cfg.block_m, cfg.block_k], [cfg.block_k, cfg.block_n], [cfg.block_m, cfg.block_n]):
             validate_block_shape(block)  # what TensorDescriptor checks, once instead of per call
     programs = INTERPRETER_PROGRAMS if interp else _num_programs(device_index)
-    precision = "ieee" if (dtype == torch.float32 or upcast) else "tf32"
+    precision = dot_precision(dtype)
     return _Plan(
         config=cfg,
         interpreting=interp,

@@ -1,0 +1,209 @@
+"""Batch-invariant grouped GEMM for Mixture-of-Experts: every expert's rows times its own weight.
+
+    out = grouped_matmul(rows [R,K], weight [E,N,K], counts)   # rows sorted by expert, counts[e] rows each
+    out[rows of e] = rows[rows of e] @ weight[e]^T              # [R,N], weight stored as HF stores experts
+
+One launch for all experts, replacing a loop of E `matmul` calls. Why a row's bits depend only on
+that row and its expert's weight (DESIGN.md's MoE rule), never on which or how many rows share the
+expert:
+- a program owns one [BLOCK_M, BLOCK_N] tile of ONE expert's rows (a tile never straddles two
+  experts: the host cuts each expert's rows into tiles of its own); a row of a `tl.dot` result depends
+  only on that row of its left operand;
+- K is walked from 0 upwards in BLOCK_K steps into one fp32 accumulator, no split-K, with the tiles
+  of the `matmul` op's table for the dtype (`matmul_config`), so a row's K order and instruction
+  shapes are the ones the `matmul` op uses on the same row: the loop of `matmul` calls is the
+  reference this kernel is tested against bit for bit.
+Backward, deterministic and without atomics:
+- d_rows = d_out @ weight[e] is the same kernel with the weight read transposed;
+- d_weight[e] = d_out[rows of e]^T @ rows[rows of e]: one program per [BLOCK_N, BLOCK_K] tile of one
+  expert's gradient walks that expert's rows in order (a fixed-order sum over its tokens; an expert
+  without rows gets zeros).
+The tile table (expert, first row, end row of each tile) is built on the host from `counts`, which the
+caller already holds on the host (MoE dispatch reads them back once per layer).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rl_engine.kernels.ops.pytorch.linear.grouped_matmul import NativeGroupedMatmulOp
+from rl_engine.kernels.ops.triton.linear.matmul import matmul_config
+from rl_engine.kernels.ops.triton.runtime import cast_rne, dot_fp32, dot_precision
+
+
+@triton.jit
+def _grouped_matmul_kernel(
+    a_ptr, w_ptr, c_ptr, tiles_ptr, N, K,
+    stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    # c[r, n] = sum_k a[r, k] w[e, k, n] for the rows r of one expert's tile (w given by strides, so
+    # the stored [E,N,K] weight reads as [E,K,N] forward and as itself, transposed, in backward).
+    tile = tiles_ptr + tl.program_id(0) * 3
+    expert = tl.load(tile + 0)
+    row0 = tl.load(tile + 1)
+    row_end = tl.load(tile + 2)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < row_end
+    n_ok = offs_n < N
+    # Rows past the tile's end re-read its first row and columns past N column 0 (never stored), as
+    # the matmul op's kernel does, so that loads are masked on K only.
+    safe_m = tl.where(m_ok, offs_m, row0)
+    safe_n = tl.where(n_ok, offs_n, 0)
+    a_ptrs = a_ptr + safe_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + safe_n.to(tl.int64)[None, :] * stride_wn
+              + offs_k[:, None] * stride_wk)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(tl.cdiv(K, BLOCK_K)):
+        k_left = K - ki * BLOCK_K
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, cast_rne(acc, c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _grouped_weight_grad_kernel(
+    g_ptr, a_ptr, dw_ptr, starts_ptr, N, K,
+    stride_gm, stride_gn, stride_am, stride_ak, stride_de, stride_dn, stride_dk,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    # dw[e, n, k] = sum over the rows r of expert e, in order, of g[r, n] a[r, k].
+    expert = tl.program_id(0)
+    num_k = tl.cdiv(K, BLOCK_K)
+    offs_n = (tl.program_id(1) // num_k) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = (tl.program_id(1) % num_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    k_ok = offs_k < K
+    first = tl.load(starts_ptr + expert)
+    last = tl.load(starts_ptr + expert + 1)
+    offs_r = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for r0 in range(first, last, BLOCK_R):
+        r = r0 + offs_r
+        r_ok = r < last
+        g_t = tl.load(g_ptr + r.to(tl.int64)[None, :] * stride_gm + offs_n[:, None] * stride_gn,
+                      mask=r_ok[None, :] & n_ok[:, None], other=0.0)  # [BLOCK_N, BLOCK_R]
+        a = tl.load(a_ptr + r.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                    mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_R, BLOCK_K]
+        if DOT_FP32:
+            g_t = g_t.to(tl.float32)
+            a = a.to(tl.float32)
+        acc = tl.dot(g_t, a, acc, input_precision=INPUT_PRECISION)
+    d_ptrs = dw_ptr + expert.to(tl.int64) * stride_de + offs_n[:, None] * stride_dn + offs_k[None, :] * stride_dk
+    tl.store(d_ptrs, cast_rne(acc, dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+
+
+def _tile_table(counts: list[int], block_m: int, device) -> torch.Tensor:
+    """int32 [tiles, 3]: (expert, first row, end row) of every BLOCK_M tile of every expert's rows."""
+    table, row = [], 0
+    for expert, count in enumerate(counts):
+        for first in range(row, row + count, block_m):
+            table.append((expert, first, min(first + block_m, row + count)))
+        row += count
+    return torch.tensor(table, dtype=torch.int32).reshape(-1, 3).to(device)
+
+
+def _launch(a: torch.Tensor, w: torch.Tensor, counts: list[int], *, transpose_w: bool) -> torch.Tensor:
+    """a [R,K'] @ (w[e]^T if not transpose_w else w[e]) per expert; w stored [E,N,K]."""
+    e, n_w, k_w = w.shape
+    n, k = (k_w, n_w) if transpose_w else (n_w, k_w)
+    out = torch.empty(a.shape[0], n, dtype=a.dtype, device=a.device)
+    cfg = matmul_config(a.dtype, n, k)
+    tiles = _tile_table(counts, cfg.block_m, a.device)
+    if tiles.shape[0] == 0 or n == 0:
+        return out
+    # Forward reads w[e] as [K,N]: k steps along w's last dim; backward reads it as stored [N',K'].
+    stride_wk, stride_wn = (w.stride(1), w.stride(2)) if transpose_w else (w.stride(2), w.stride(1))
+    _grouped_matmul_kernel[(tiles.shape[0], triton.cdiv(n, cfg.block_n))](
+        a, w, out, tiles, n, k,
+        a.stride(0), a.stride(1), w.stride(0), stride_wk, stride_wn, out.stride(0), out.stride(1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DOT_FP32=dot_fp32(a.dtype), INPUT_PRECISION=dot_precision(a.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def _weight_grad(grad_out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    e, n, k = w.shape
+    dw = torch.empty_like(w)
+    cfg = matmul_config(a.dtype, n, k)
+    # The row step is the matmul table's K step: the reduction over tokens walks them in BLOCK_K rows.
+    block_n, block_k, block_r = min(cfg.block_m, 128), min(cfg.block_n, 128), cfg.block_k
+    starts = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32).to(a.device)
+    _grouped_weight_grad_kernel[(e, triton.cdiv(n, block_n) * triton.cdiv(k, block_k))](
+        grad_out, a, dw, starts, n, k,
+        grad_out.stride(0), grad_out.stride(1), a.stride(0), a.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
+        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
+        DOT_FP32=dot_fp32(a.dtype), INPUT_PRECISION=dot_precision(a.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return dw
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, weight, counts):
+        ctx.save_for_backward(rows, weight)
+        ctx.counts = counts
+        return _launch(rows, weight, counts, transpose_w=False)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        rows, weight = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        d_rows = _launch(grad_out, weight, ctx.counts, transpose_w=True) if ctx.needs_input_grad[0] else None
+        d_weight = _weight_grad(grad_out, rows, weight, ctx.counts) if ctx.needs_input_grad[1] else None
+        return d_rows, d_weight, None
+
+
+def grouped_matmul(rows: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """[R,N]: rows [R,K] (sorted by expert, counts[e] rows of expert e) times weight[e]^T, weight [E,N,K]."""
+    if rows.dim() != 2 or weight.dim() != 3:
+        raise ValueError(f"rows [R,K] and weight [E,N,K] expected, got {tuple(rows.shape)} and {tuple(weight.shape)}")
+    if weight.shape[2] != rows.shape[1]:
+        raise ValueError(f"weight: expected K = {rows.shape[1]} (rows' last dim), got {weight.shape[2]}")
+    if len(counts) != weight.shape[0] or sum(counts) != rows.shape[0] or min(counts, default=0) < 0:
+        raise ValueError(f"counts: expected {weight.shape[0]} non-negative counts summing to {rows.shape[0]}, "
+                         f"got {len(counts)} summing to {sum(counts)}")
+    if rows.dtype != weight.dtype:
+        raise ValueError(f"weight: expected rows' dtype {rows.dtype}, got {weight.dtype}")
+    return _GroupedMatmul.apply(rows, weight, list(counts))
+
+
+def triton_grouped_matmul(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    """[B,S,N]: each row x[b,s] times weight[expert_ids[b,s]]^T. Rows are sorted by expert (stably: token
+    order within an expert) for the grouped kernel and put back; the counts are read back to the host."""
+    b, s, k = x.shape
+    ids = expert_ids.reshape(-1)
+    order = torch.sort(ids, stable=True).indices
+    counts = torch.bincount(ids, minlength=weight.shape[0]).tolist()
+    out_sorted = grouped_matmul(x.reshape(-1, k)[order], weight, counts)
+    # index_copy writes each row once (backward: a gather), so nothing is summed in an unknown order.
+    out = out_sorted.new_empty(out_sorted.shape).index_copy(0, order, out_sorted)
+    return out.reshape(b, s, weight.shape[1])
+
+
+class TritonGroupedMatmulOp:
+    """Triton candidate for NativeGroupedMatmulOp: op(x=[B,S,K], weight=[E,N,K], expert_ids=[B,S])."""
+
+    input_names = NativeGroupedMatmulOp.input_names
+
+    def __call__(self, *, x, weight, expert_ids):
+        NativeGroupedMatmulOp().validate(x=x, weight=weight, expert_ids=expert_ids)
+        if x.dtype != weight.dtype:
+            raise ValueError(f"weight: expected x's dtype {x.dtype}, got {weight.dtype}")
+        return triton_grouped_matmul(x, weight, expert_ids)
