@@ -11,8 +11,10 @@ B sequences of `context` random prompt tokens, each generating exactly `new_toke
 token; transformers gets min_new_tokens = max_new_tokens), greedy unless --temperature > 0.
 Peers, side by side in one run (cells ordered by context, then batch; each cell runs every peer, the
 models built once and kept: ~4 GB of weights for the engine's two profiles, ~4 GB for transformers):
-  triton_bf16   RolloutEngine on the triton_bf16 profile (paged cache, chunked prefill, fp32 logprobs)
-  torch_bf16    the same engine on the torch_bf16 profile (cuBLAS, SDPA with a mask)
+  triton_bf16   RolloutEngine on the triton_bf16 profile (paged cache, chunked prefill, fp32 logprobs),
+                decode steps replayed from CUDA graphs (the engine's default on a GPU)
+  triton_bf16_eager  the same without CUDA graphs (cuda_graphs=False): what the graphs save
+  torch_bf16    the engine on the torch_bf16 profile (cuBLAS, SDPA with a mask), with CUDA graphs
   hf_static     generate(cache_implementation="static"); transformers compiles the decode step itself
                 (torch.compile, mode reduce-overhead) on a GPU; its row says whether it did
   hf_dynamic    generate() with the default dynamic cache, eager
@@ -54,7 +56,7 @@ from rl_engine.models.weights import synthetic_weights
 from rl_engine.rollout import EngineStats, Request, RolloutEngine, SamplingParams
 
 NAME = "rollout"
-ENGINE_PEERS = ("triton_bf16", "torch_bf16")
+ENGINE_PEERS = ("triton_bf16", "triton_bf16_eager", "torch_bf16")
 HF_PEERS = ("hf_static", "hf_dynamic")
 PEERS = ENGINE_PEERS + HF_PEERS
 GOALS = {"speedup_vs_hf": 3.0, "min_batch": 16, "launch_overhead_pct": 10.0}
@@ -189,7 +191,8 @@ def pool_bytes(config: ModelConfig, num_pages: int, page_size: int) -> int:
 
 
 # -- the engine ------------------------------------------------------------------------------------------
-def run_engine(model: DecoderModel, setup: dict, batch: int, context: int, new_tokens: int, temperature: float,
+def run_engine(model: DecoderModel, cuda_graphs: bool, setup: dict, batch: int, context: int, new_tokens: int,
+               temperature: float,
                device: torch.device) -> dict:
     config, page = model.config, setup["page_size"]
     num_pages = pool_pages(batch, context, new_tokens, page)
@@ -201,10 +204,10 @@ def run_engine(model: DecoderModel, setup: dict, batch: int, context: int, new_t
     ids = prompts(config, batch, context)
     before = _reset_memory(device)
     engine = RolloutEngine(model, max_batch_size=batch, chunk_size=setup["chunk_size"], page_size=page,
-                           num_pages=num_pages)
-    # warm-up: the same batch, a prompt of one chunk or less, 2 tokens (a prefill and a decode step compile
-    # every Triton kernel the timed run meets: lengths only change integer arguments)
-    engine.generate(engine_requests(ids[:, : min(context, setup["chunk_size"])], 2, temperature))
+                           num_pages=num_pages, cuda_graphs=cuda_graphs)
+    # warm-up: the same batch and prompts, 2 tokens (a prefill and a decode step compile every Triton kernel
+    # the timed run meets, and capture its decode graph: page tables of the same power-of-two width)
+    engine.generate(engine_requests(ids, 2, temperature))
     engine.stats = EngineStats()
     model.ops.recorder.records.clear()
 
@@ -249,6 +252,7 @@ def run_engine(model: DecoderModel, setup: dict, batch: int, context: int, new_t
     row.update(probe.summary())
     if row["gpu_ms_per_step"] is not None:
         row["launch_overhead_pct"] = 100 * (1 - row["gpu_ms_per_step"] / row["decode_step_ms_median"])
+    row["cuda_graphs"] = sorted(engine.graphs.steps) if engine.graphs else None  # (rows, width) captured
     row["pool"] = {"num_pages": num_pages, "page_size": page, "gib": need / 2**30, "chunk_size": setup["chunk_size"]}
     row["ran"] = sorted({f"{r.op}:{r.target}" for r in model.ops.recorder.records})
     if temperature == 0:  # greedy: the peers' first tokens should mostly agree (a wiring check)
@@ -441,10 +445,14 @@ def main(argv=None) -> int:
     # copy: 2 x 4.2 GB at this width) so that each cell runs all peers back to back: a run cut short
     # (--budget-s, the device's time limit) still has whole cells to compare.
     weights = synthetic_weights(config, WEIGHT_SEED, device=device)
-    runners = {}
+    runners, models = {}, {}
     for peer in [p for p in ENGINE_PEERS if p in args.peers]:
-        runners[peer] = partial(run_engine, build_engine_model(config, weights, peer), setup,
+        profile = peer.removesuffix("_eager")
+        if profile not in models:
+            models[profile] = build_engine_model(config, weights, profile)
+        runners[peer] = partial(run_engine, models[profile], not peer.endswith("_eager"), setup,
                                 new_tokens=args.new_tokens, temperature=args.temperature, device=device)
+    models.clear()
     if any(p in args.peers for p in HF_PEERS):
         hf = measure("transformers model", hf_model, config, weights, device)  # the model, or {"error": ...}
         for peer in [p for p in HF_PEERS if p in args.peers]:

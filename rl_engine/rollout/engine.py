@@ -11,6 +11,8 @@ Each engine step:
      gives logits (`lm_head`) -> a token (rl_engine.rollout.sampling), and the token's logprobs, raw and
      at the sampling temperature (rl_engine.rollout.logprobs), from that same hidden row;
   4. a sequence stops at a stop token (kept in its output) or at max_new_tokens; its pages go back.
+With `cuda_graphs`, the decode forward (+ lm_head) and the raw logprobs replay CUDA graphs captured per
+batch bucket (rl_engine.rollout.decode_graph); prefill chunks stay eager.
 
 Parity by construction (triton_bf16): every op a token meets is batch invariant (a row's bits depend on
 its own inputs only), the chunk size, page size and tiles are constants, attention reduces keys in
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rl_engine.rollout.decode_graph import DecodeGraphs
 from rl_engine.rollout.logprobs import tempered_logprobs
 from rl_engine.rollout.paged_cache import PagedKvCache
 from rl_engine.rollout.sampling import SamplingParams, sample
@@ -75,7 +78,9 @@ class EngineStats:
 
 class RolloutEngine:
     def __init__(self, model, *, max_batch_size: int = 8, chunk_size: int = 16, page_size: int = 16,
-                 num_pages: int = 256):
+                 num_pages: int = 256, cuda_graphs: bool | None = None):
+        """cuda_graphs: replay decode steps from CUDA graphs. None: on for a dense model on a GPU. True on a
+        CPU runs the graphs' padded static path without capture (what the CPU tests check)."""
         for name, value in (("max_batch_size", max_batch_size), ("chunk_size", chunk_size),
                             ("page_size", page_size)):
             if not isinstance(value, int) or value < 1:
@@ -86,6 +91,10 @@ class RolloutEngine:
         self.device = model.lm_head_weight.device
         self.cache = PagedKvCache(model.config, num_pages, page_size, model.ops.profile.dtype, self.device)
         self.stats = EngineStats()
+        on_gpu = self.device.type == "cuda"
+        if cuda_graphs is None:
+            cuda_graphs = on_gpu and not any(model.config.sparse_layer(i) for i in range(model.config.num_layers))
+        self.graphs = DecodeGraphs(model, self.cache, max_batch_size, capture=on_gpu) if cuda_graphs else None
 
     def _check(self, requests: list[Request]) -> None:
         ids = [r.request_id for r in requests]
@@ -138,10 +147,12 @@ class RolloutEngine:
         for seq in running:
             work = self._work(seq)
             groups.setdefault(len(work), []).append((seq, work))
-        rows, owners = [], []
-        for length in sorted(groups):
+        for length in sorted(groups):  # sampling is per row: sampling group by group changes no bit
             group = groups[length]
-            hidden = self._forward(group)
+            graph = length == 1 and self.graphs is not None and all(
+                s.prefilled == len(s.request.prompt_ids) for s, _ in group)
+            hidden, logits = self._forward(group, graph)
+            rows, owners = [], []
             for b, (seq, work) in enumerate(group):
                 in_prompt = seq.prefilled < len(seq.request.prompt_ids)
                 if in_prompt:
@@ -150,14 +161,25 @@ class RolloutEngine:
                 else:
                     self.stats.decode_tokens += 1
                 if seq.prefilled == len(seq.request.prompt_ids):  # this forward reached its newest token
-                    rows.append(hidden[b, -1])
+                    rows.append(b)
                     owners.append(seq)
-        if owners:
-            self._sample(torch.stack(rows).unsqueeze(1), owners)
+            if owners:
+                if logits is None:  # (graph steps sample every row, in order)
+                    self._sample(hidden[rows, -1:], owners)
+                else:
+                    self._sample(hidden, owners, logits)
 
-    def _forward(self, group) -> torch.Tensor:
+    def _forward(self, group, graph: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden [n,Sq,H] of the group, and its logits [n,V] when a decode graph computed them."""
         t0 = time.perf_counter()
         starts = [s.cached for s, _ in group]
+        if graph:
+            hidden, logits = self.graphs.forward([s.request.request_id for s, _ in group], [w[0] for _, w in group],
+                                                 starts)
+            self.stats.forwards += 1
+            self._sync()
+            self.stats.seconds["forward"] += time.perf_counter() - t0
+            return hidden, logits
         tokens = torch.tensor([w for _, w in group], dtype=torch.int64, device=self.device)
         sq = tokens.shape[1]
         positions = torch.tensor(starts, dtype=torch.int64, device=self.device)[:, None] + torch.arange(
@@ -168,19 +190,24 @@ class RolloutEngine:
         self.stats.forwards += 1
         self._sync()
         self.stats.seconds["forward"] += time.perf_counter() - t0
-        return hidden
+        return hidden, None
 
-    def _sample(self, hidden: torch.Tensor, owners: list[_Running]) -> None:
+    def _sample(self, hidden: torch.Tensor, owners: list[_Running], logits: torch.Tensor | None = None) -> None:
         """hidden [n,1,H]: the last row of each owner; draws its next token and records its logprobs."""
         t0 = time.perf_counter()
-        logits = self.model.logits(hidden)[:, 0]
+        from_graph = logits is not None
+        if not from_graph:
+            logits = self.model.logits(hidden)[:, 0]
         params = [s.request.params for s in owners]
         positions = [len(s.request.prompt_ids) + len(s.tokens) for s in owners]
         tokens = sample(logits, params, [s.request.request_id for s in owners], positions)
         self._sync()
         t1 = time.perf_counter()
         targets = tokens[:, None]
-        raw = self.model.selected_logprobs(hidden, targets)[:, 0]
+        if from_graph:
+            raw = self.graphs.raw_logprobs(tokens)
+        else:
+            raw = self.model.selected_logprobs(hidden, targets)[:, 0]
         tempered = raw.clone()
         for temperature in sorted({p.temperature for p in params if not p.greedy}):
             rows = torch.tensor([i for i, p in enumerate(params) if p.temperature == temperature], device=self.device)

@@ -2,8 +2,9 @@
 sequences join and finish.
 
 Pool per layer: k, v [num_pages, page_size, Hkv, D] in the activation dtype. Page 0 is the null page:
-all zeros, never handed out; table slots past a sequence's pages point at it, so every value that
-`kv_cache_attention` may touch is finite (the gold reads masked positions: 0 · NaN would poison a row).
+never handed out; table slots past a sequence's pages point at it. It holds zeros, or the keys and
+values of a CUDA graph's padding rows (rl_engine.rollout.decode_graph): finite either way, so every value
+that `kv_cache_attention` may touch is finite (the gold reads masked positions: 0 · NaN would poison a row).
 
 The attention op takes a contiguous cache [B,Smax,Hkv,D] + cache_seqlens, so `layer_kv` gathers the
 batch's pages into that layout (no kernel change). Cost: one copy of the batch's cache per layer per
@@ -81,6 +82,10 @@ class PagedKvCache:
         for row, s in enumerate(seq_ids):
             table[row, : len(self.tables[s])] = torch.tensor(self.tables[s], dtype=torch.int64)
         self._slots = page_slots(table, self.page_size).to(self.device)
+
+    def use_slots(self, slots: torch.Tensor) -> None:
+        """Bind a batch by its slot matrix [B, width * page_size] (a CUDA graph's static buffer)."""
+        self._slots = slots
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         write_pages(self.k[layer], self._slots, positions, k)

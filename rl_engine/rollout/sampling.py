@@ -21,7 +21,8 @@ Batch invariance of the arithmetic: every row is processed alone, at the fixed s
 code paths by tensor shape (on a CPU: vectorised body vs scalar tail of elementwise exp/log, a two-pass
 parallel reduction when a reduction has a single output), so the same row inside [B,V] could round
 differently from the row alone. Cost: B small launches per op per step on a GPU (a one-program-per-row
-sampler kernel would remove it; not written: no GPU time to check it).
+sampler kernel would remove it). Greedy rows are the exception: an argmax rounds nothing, so all of them
+take one batched argmax.
 """
 
 from __future__ import annotations
@@ -136,5 +137,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], sequence_ids: lis
     if logits.dim() != 2 or not len(params) == len(sequence_ids) == len(positions) == logits.shape[0]:
         raise ValueError(f"sample: expected logits [B,V] and B params, ids, positions; got {tuple(logits.shape)}, "
                          f"{len(params)}, {len(sequence_ids)}, {len(positions)}")
-    rows = [sample_row(logits[b], p, s, pos) for b, (p, s, pos) in enumerate(zip(params, sequence_ids, positions))]
-    return torch.stack(rows) if rows else torch.empty(0, dtype=torch.int64, device=logits.device)
+    out = torch.empty(len(params), dtype=torch.int64, device=logits.device)
+    greedy = [b for b, p in enumerate(params) if p.greedy]
+    if greedy:  # an argmax is exact (no rounding; first index on ties) in any batch: one launch for all
+        index = torch.tensor(greedy, device=logits.device)
+        out[index] = torch.argmax(logits[index].float(), dim=1)
+    for b, (p, s, pos) in enumerate(zip(params, sequence_ids, positions)):
+        if not p.greedy:
+            out[b] = sample_row(logits[b], p, s, pos)
+    return out

@@ -31,8 +31,9 @@ def test_every_peer_gets_a_full_row_and_merge_keeps_the_rest(rollout, tmp_path):
         assert row["speedup_vs_hf"] > 0 and {"speedup_vs_hf_static", "speedup_vs_hf_dynamic"} <= set(row)
         parts = [row[k] for k in ("forward_ms", "sample_ms", "logprobs_ms")]
         assert all(p > 0 for p in parts) and sum(parts) <= row["decode_step_ms"]
-        package = {"triton_bf16": ".triton.", "torch_bf16": ".pytorch."}[peer]
+        package = ".pytorch." if peer == "torch_bf16" else ".triton."
         assert row["ran"] and all(package in r for r in row["ran"]), row["ran"]  # the profile's ops ran
+        assert bool(row["cuda_graphs"]) == (peer != "triton_bf16_eager"), row["cuda_graphs"]  # (captured on a GPU)
     assert rows[("hf_static", 2, 6)]["cache"] == "static" and rows[("hf_dynamic", 2, 6)]["cache"] == "dynamic"
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "rollout.png").exists()

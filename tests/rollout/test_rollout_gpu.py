@@ -1,5 +1,6 @@
 """On the GPU at Qwen3-8B width: every schedule gives the bits of generating alone, and the rollout's
-logprobs equal the trainer's packed recompute (triton_bf16, synthetic weights, 2 layers)."""
+logprobs equal the trainer's packed recompute (triton_bf16, synthetic weights, 2 layers). Decode steps
+replay CUDA graphs (the engine's default on a GPU), and give the bits of the eager engine."""
 
 import pytest
 import torch
@@ -52,6 +53,14 @@ def test_every_schedule_gives_the_bits_of_generating_alone(model, alone, name):
     engine = RolloutEngine(model, max_batch_size=batch, chunk_size=chunk, page_size=page)
     got = engine.generate(_requests(model, arrivals))
     assert engine.stats.max_running > 1
+    assert engine.graphs is not None and engine.graphs.capture and engine.graphs.steps  # graphs replayed
+    differing = [rid for rid in alone if not _same(got[rid], alone[rid])]
+    assert not differing, differing
+
+
+def test_cuda_graph_steps_give_the_bits_of_eager_steps(model, alone):
+    engine = RolloutEngine(model, max_batch_size=5, chunk_size=64, page_size=16, cuda_graphs=False)
+    got = engine.generate(_requests(model, [0, 0, 0, 1, 1, 2]))
     differing = [rid for rid in alone if not _same(got[rid], alone[rid])]
     assert not differing, differing
 

@@ -4,6 +4,7 @@ are the same in any schedule as generated alone, and equal the trainer's packed 
 import pytest
 import torch
 
+import rl_engine.rollout.decode_graph as decode_graph
 import rl_engine.rollout.engine as engine_module
 from rl_engine.rollout import Request, RolloutEngine, SamplingParams, tempered_logprobs
 from rl_engine.rollout.sampling import sample
@@ -45,13 +46,41 @@ def alone(micro_model):
 SCHEDULES = {"staggered-b2-c2-p2": (2, 2, 2, [0, 1, 1]), "reversed-b3-c3-p4": (3, 3, 4, [2, 1, 0])}
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "decode-graphs"])
 @pytest.mark.parametrize("name", SCHEDULES)
-def test_every_schedule_gives_the_bits_of_generating_alone(micro_model, alone, name):
+def test_every_schedule_gives_the_bits_of_generating_alone(micro_model, alone, name, graphs):
+    # decode-graphs: the CUDA-graph path's padded static buffers (run without capture on a CPU)
     batch, chunk, page, arrivals = SCHEDULES[name]
-    engine = RolloutEngine(micro_model(PROFILE), max_batch_size=batch, chunk_size=chunk, page_size=page)
+    engine = RolloutEngine(micro_model(PROFILE), max_batch_size=batch, chunk_size=chunk, page_size=page,
+                           cuda_graphs=graphs)
     got = engine.generate(requests(arrivals))
     assert engine.stats.max_running > 1  # sequences did share forwards
+    if graphs:
+        assert engine.graphs.steps  # decode steps went through the graphs' buckets
     assert not mismatches(got, alone)
+
+
+def test_graph_padding_rows_that_write_into_a_sequences_pages_are_caught(micro_model, alone, monkeypatch):
+    # Planted bug: padding rows take the first sequence's page table instead of null pages, so their
+    # keys and values overwrite its cache.
+    real = decode_graph.page_slots
+
+    def leaky(table, page_size):
+        table = table.clone()
+        table[table[:, 0] == decode_graph.NULL_PAGE] = table[0].clone()
+        return real(table, page_size)
+
+    monkeypatch.setattr(decode_graph, "page_slots", leaky)
+    # Three sequences decode together in the bucket of 4 rows: one padding row.
+    engine = RolloutEngine(micro_model(PROFILE), max_batch_size=4, chunk_size=8, page_size=4, cuda_graphs=True)
+    assert mismatches(engine.generate(requests([0, 0, 0])), alone)
+    assert (4, 2) in engine.graphs.steps
+
+
+def test_graph_padding_rows_change_no_bit(micro_model, alone):
+    engine = RolloutEngine(micro_model(PROFILE), max_batch_size=4, chunk_size=8, page_size=4, cuda_graphs=True)
+    assert not mismatches(engine.generate(requests([0, 0, 0])), alone)
+    assert (4, 2) in engine.graphs.steps  # 3 sequences padded to 4 rows, 2-page tables
 
 
 def test_rollout_logprobs_equal_the_trainer_recompute(micro_model, alone):

@@ -11,7 +11,7 @@ import math
 import torch
 
 from rl_engine.kernels.ops.pytorch.attention.attention import check_heads, grouped_attention, sdpa
-from rl_engine.kernels.ops.pytorch.base import NativeOp, expect_rank, expect_shape
+from rl_engine.kernels.ops.pytorch.base import NativeOp, capturing, expect_rank, expect_shape
 
 
 def kv_cache_mask(q, k_cache, cache_seqlens) -> torch.Tensor:
@@ -38,7 +38,7 @@ class NativeKvCacheAttentionOp(NativeOp):
         check_heads("q", q, "k_cache", k_cache)
         if cache_seqlens.is_floating_point():
             raise ValueError(f"cache_seqlens: expected integer lengths [B], got dtype {cache_seqlens.dtype}")
-        if b and (int(cache_seqlens.min()) < sq or int(cache_seqlens.max()) > smax):
+        if b and not capturing(cache_seqlens) and (int(cache_seqlens.min()) < sq or int(cache_seqlens.max()) > smax):
             raise ValueError(
                 f"cache_seqlens: each length must lie in [Sq={sq}, Smax={smax}] (the new tokens are in the "
                 f"cache), got {cache_seqlens.tolist()}"
