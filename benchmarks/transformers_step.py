@@ -334,7 +334,12 @@ def run(args, save) -> dict:
             done = {tuple(r[k] for k in KEY) for r in rows}
             rows += [{"impl": impl, "mode": m, "shape": s, "task": t, "error": error}
                      for m in args.modes for s in shapes for t in args.tasks if (impl, m, s, t) not in done]
-        free(device)  # the model, its compiled graphs and cached blocks, before the next implementation
+        try:
+            free(device)  # the model, its compiled graphs and cached blocks, before the next implementation
+        except Exception as exc:  # noqa: BLE001 - a CUDA fault (illegal address) poisons the context for good
+            print(f"  {impl}: the device is unusable after it ({type(exc).__name__}); the run stops here", flush=True)
+            save(payload)
+            break
         print(f"  {impl}: {time.perf_counter() - t0:.0f} s", flush=True)
         save(payload)
     return payload
