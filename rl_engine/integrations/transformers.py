@@ -177,6 +177,16 @@ def _packed_layout(positions: torch.Tensor) -> dict:
     return {"cu_seqlens": cu}
 
 
+def _given_cu_seqlens(kwargs: dict, node: str) -> torch.Tensor:
+    """The packed layout a caller passes in transformers' flash-attention kwargs (TRL's padding-free path,
+    `selected_logprobs`): no reading of positions, so a compiled model has no graph break here."""
+    cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs.get("cu_seq_lens_k")
+    if cu_k is not None and cu_k is not cu_q and (cu_k.shape != cu_q.shape or (
+            not torch.compiler.is_compiling() and not torch.equal(cu_k, cu_q))):
+        raise UsageError(f"{node}: cu_seq_lens_k must equal cu_seq_lens_q (self-attention over packed rows)")
+    return cu_q
+
+
 class _HfAttention(Attention):
     """rl_engine's Attention behind the call transformers' decoder layers make."""
 
@@ -201,6 +211,8 @@ class _HfAttention(Attention):
                 return self.output(a), None
         if attention_mask is not None:
             layout = _padding_layout(attention_mask, self.node)
+        elif b == 1 and kwargs.get("cu_seq_lens_q") is not None:  # given, as trainers pass it to flash-attn
+            layout = {"cu_seqlens": _given_cu_seqlens(kwargs, self.node)}
         elif b == 1:
             layout = _packed_layout(positions)
         else:
@@ -233,8 +245,12 @@ def selected_logprobs(model, input_ids, target_ids=None, attention_mask=None, po
             position_ids = (idx - cu[torch.searchsorted(cu[1:], idx, right=True)])[None]
         else:
             position_ids = torch.arange(s, device=input_ids.device)[None].expand(b, s)
+    packed = {}
+    if cu_seqlens is not None:  # the layout itself, so that no layer has to infer it from positions
+        cu = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
+        packed = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
     hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=False).last_hidden_state
+                         use_cache=False, **packed).last_hidden_state
     if target_ids is None:
         hidden, target_ids = hidden[:, :-1], input_ids[:, 1:]
     return state.head(hidden, target_ids)

@@ -15,7 +15,7 @@ import torch
 from rl_engine.bits import dtype_key
 from rl_engine.kernels.records import MODEL_OPS
 from rl_engine.kernels.records import OPS as RECORDS
-from rl_engine.kernels.registry import REGISTRY, Recorder, Registry
+from rl_engine.kernels.registry import REGISTRY, MissingImplementation, Recorder, Registry
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,13 @@ class ProfileOps:
         self.profile = profile
         self.registry = registry
         self.recorder = recorder if recorder is not None else Recorder()
+        # Import every kernel now: an import inside torch.compile's trace is a graph break. A kernel that
+        # cannot load raises its MissingImplementation at its first dispatch, as before.
+        for op in profile.declared:
+            try:
+                registry.kernel(registry.lookup(op, profile.backend(op)))
+            except MissingImplementation:
+                pass
 
     def __call__(self, op: str, node: str, params: dict | None = None, **inputs):
         return self.registry.dispatch(op, self.profile.backend(op), node, self.recorder, params or {}, **inputs)

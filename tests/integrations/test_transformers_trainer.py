@@ -184,3 +184,35 @@ def test_generate_refusals_are_one_line(case):
     with pytest.raises(UsageError, match=match) as exc, torch.no_grad():
         model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0, **kwargs)
     assert "\n" not in str(exc.value)
+
+
+def test_a_given_packed_layout_is_used_and_equals_the_detected_one():
+    # Trainers pass the packed layout as transformers' flash-attention kwargs (cu_seq_lens_q/k); the patched
+    # attention takes it as given (no reading of positions: what lets a compiled model avoid graph breaks).
+    model = patched("triton_bf16")
+    seqs = sequences()
+    ids = torch.cat(seqs)[None]
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    pos = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+
+    def hidden(**kw):
+        with torch.no_grad():
+            return model.model(input_ids=ids, position_ids=pos, use_cache=False, **kw).last_hidden_state
+
+    detected = hidden()
+    assert torch.equal(hidden(cu_seq_lens_q=cu, cu_seq_lens_k=cu), detected)
+    whole = torch.tensor([0, ids.shape[1]], dtype=torch.int32)  # a layout that disagrees with the positions
+    assert not torch.equal(hidden(cu_seq_lens_q=whole, cu_seq_lens_k=whole), detected)  # so the given one is used
+    with pytest.raises(UsageError, match="cu_seq_lens_k must equal cu_seq_lens_q"):
+        hidden(cu_seq_lens_q=cu, cu_seq_lens_k=whole)
+
+
+def test_packed_selected_logprobs_compile_fullgraph_with_the_eager_bits():
+    model = patched("triton_bf16")
+    ids = torch.cat(sequences())[None]
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda i: selected_logprobs(model, i, cu_seqlens=cu), backend="aot_eager",
+                             fullgraph=True)  # raises on a graph break
+    with torch.no_grad():
+        assert torch.equal(compiled(ids), selected_logprobs(model, ids, cu_seqlens=cu))

@@ -67,6 +67,12 @@ def _packed_table(total: int, cu_seqlens, device) -> SequenceTable:
         raise ValueError(f"cu_seqlens: expected integers [N+1], got dtype {cu_seqlens.dtype}")
     cu = cu_seqlens.to(device=device, dtype=torch.int32)
     lengths = cu[1:] - cu[:-1]
+    if torch.compiler.is_compiling():
+        # Traced: no value can be read back. The grid is bounded by T instead of the longest sequence;
+        # programs past a sequence's queries exit at once, and no tile's work depends on the grid, so the
+        # bits are eager's. The offsets are not checked here (eager calls check them).
+        return sequence_table(cu[:-1], lengths, torch.zeros_like(lengths), cu[:-1], lengths,
+                              max_q_count=total, max_kv_len=total)
     if int(cu[0]) != 0 or int(cu[-1]) != total or (lengths.numel() and int(lengths.min()) < 0):
         raise ValueError(
             f"cu_seqlens: expected non-decreasing offsets from 0 to T={total}, got {cu_seqlens.tolist()}"
