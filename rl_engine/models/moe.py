@@ -117,8 +117,9 @@ class Dispatch:
         self.counts = expert_counts(ids, num_experts)
 
 
-# The slot loops below gather and upcast one slot ([T,H]) at a time: the same elementwise operations,
-# in the same order, as on a [T,k,H] fp32 copy of the gathered rows, without that copy.
+# The slot loops below gather one slot ([T,H]) at a time and let each fp32 operation read the bf16 rows
+# (an exact upcast inside the op): the same fp32 operations, in the same order, as on a [T,k,H] fp32
+# copy of the gathered rows, without that copy or a per-slot one.
 
 
 class _Permute(torch.autograd.Function):
@@ -134,7 +135,7 @@ class _Permute(torch.autograd.Function):
         (row_of_slot,) = ctx.saved_tensors
         acc = grad_rows[row_of_slot[:, 0]].to(_acc(grad_rows))
         for s in range(1, row_of_slot.shape[1]):
-            acc = acc + grad_rows[row_of_slot[:, s]].to(acc.dtype)
+            acc = acc + grad_rows[row_of_slot[:, s]]
         return acc.to(grad_rows.dtype), None, None
 
 
@@ -145,9 +146,9 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, rows, weights, row_of_slot):
         ctx.save_for_backward(rows, weights, row_of_slot)
         w = weights.to(_acc(rows))
-        acc = w[:, 0, None] * rows[row_of_slot[:, 0]].to(w.dtype)
+        acc = w[:, 0, None] * rows[row_of_slot[:, 0]]
         for s in range(1, row_of_slot.shape[1]):
-            acc = acc + w[:, s, None] * rows[row_of_slot[:, s]].to(w.dtype)
+            acc = acc + w[:, s, None] * rows[row_of_slot[:, s]]
         return acc.to(rows.dtype)
 
     @staticmethod
@@ -159,7 +160,7 @@ class _Combine(torch.autograd.Function):
         grad_weights = torch.empty_like(w)
         for s in range(row_of_slot.shape[1]):
             grad_rows[row_of_slot[:, s]] = (w[:, s, None] * g).to(rows.dtype)  # each row once: a copy
-            grad_weights[:, s] = tree_sum(g * rows[row_of_slot[:, s]].to(g.dtype))
+            grad_weights[:, s] = tree_sum(g * rows[row_of_slot[:, s]])
         return grad_rows, grad_weights.to(weights.dtype), None
 
 
