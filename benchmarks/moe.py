@@ -306,7 +306,8 @@ def ours_layer(s: Shapes, weights) -> Layer:
     config = MoeConfig(num_experts=s.experts, top_k=s.top_k, expert_intermediate_size=s.inter, norm_topk_prob=True)
     # The stacks a model holds (rl_engine.models.weights): gate and up [E,I,H] each, down [E,H,I]
     # (gate and up copied once here, out of the timed calls, from transformers' fused gate_up).
-    r, gate, up, d = _leaf(router), _leaf(gate_up[:, :s.inter].clone()), _leaf(gate_up[:, s.inter:].clone()), _leaf(down)
+    gate, up = _leaf(gate_up[:, :s.inter].clone()), _leaf(gate_up[:, s.inter:].clone())
+    r, d = _leaf(router), _leaf(down)
 
     def fn(x):
         return moe_block(ops, "moe", x, r, config, local_experts(ops, "moe", gate, up, d))

@@ -206,7 +206,8 @@ class Family:
         """The name of a role's tensor in a model's weights: its HF name, except that the per-expert HF
         tensors ("{j}" in the name) are held as one [E, ...] stack of all experts (stacked at load, so
         the expert GEMMs read them in place and their gradients land there), named without the expert
-        index as transformers 5 names its stacks: "...mlp.experts.{j}.gate_proj.weight" -> "...mlp.experts.gate_proj"."""
+        index as transformers 5 names its stacks:
+        "...mlp.experts.{j}.gate_proj.weight" -> "...mlp.experts.gate_proj"."""
         name = self.hf_names[role]
         if "{j}" in name:
             name = name.replace(".{j}.", ".").removesuffix(".weight")
