@@ -25,8 +25,8 @@ roughly T*8/128 rows each (min/max are recorded per row).
 (2) A whole MoE layer (router -> softmax -> top-8 renormalised -> experts -> combine), forward and
     forward + backward (gradients of the input, the router and every expert weight), peak memory:
   triton                 rl_engine.models.moe.moe_block under the triton_bf16 profile, with
-                         local_experts: the entry point the decoder's sparse layers call (it stacks
-                         the per-expert weights into [E,N,K] on every call: counted in its time)
+                         local_experts on the stacked gate, up [E,I,H] and down [E,H,I] weights: what
+                         the decoder's sparse layers call on the stacks a model holds
   grouped_mm_layer       written here: permute by expert, torch._grouped_mm for gate+up and down, combine
   transformers           Qwen3MoeSparseMoeBlock from a Qwen3MoeConfig, same weights, with the experts
                          implementation a transformers model picks by default (recorded; grouped_mm in 5.x)
@@ -156,6 +156,7 @@ def routed_counts(s: Shapes, tokens: int, device: str, seed: int) -> torch.Tenso
 
 def gemm_impls(a: torch.Tensor, weight: torch.Tensor, counts: list[int], offs: torch.Tensor, grouped_status):
     """Zero-argument callables computing rows_e @ weight[e]^T for every expert e (a sorted by expert)."""
+    device_counts = torch.tensor(counts, device=a.device)  # what the MoE layer passes: nothing read back
     from rl_engine.kernels.ops.triton.linear.grouped_matmul import grouped_matmul
     from rl_engine.kernels.ops.triton.linear.matmul import batch_invariant_mm
 
@@ -175,7 +176,7 @@ def gemm_impls(a: torch.Tensor, weight: torch.Tensor, counts: list[int], offs: t
             torch.mm(a[start:end], weight[e].t(), out=out[start:end])
         return out
 
-    impls = {"triton_grouped": lambda: grouped_matmul(a, weight, counts),
+    impls = {"triton_grouped": lambda: grouped_matmul(a, weight, device_counts),
              "triton_loop": triton_loop, "triton_loop_gemm_only": triton_loop_gemm_only}
     impls["grouped_mm"] = grouped_status or (lambda: torch._grouped_mm(a, weight.transpose(-2, -1), offs=offs))
     impls["cublas_loop"] = cublas_loop
@@ -303,15 +304,15 @@ def ours_layer(s: Shapes, weights) -> Layer:
     router, gate_up, down = weights
     ops = ProfileOps(get_profile("triton_bf16"))
     config = MoeConfig(num_experts=s.experts, top_k=s.top_k, expert_intermediate_size=s.inter, norm_topk_prob=True)
-    # One leaf per expert weight, as the decoder holds them (a slice of a stacked leaf would make each
-    # expert's backward allocate a gradient of the whole stack).
-    experts = [(_leaf(gate_up[e, :s.inter]), _leaf(gate_up[e, s.inter:]), _leaf(down[e])) for e in range(s.experts)]
-    r = _leaf(router)
+    # The stacks a model holds (rl_engine.models.weights): gate and up [E,I,H] each, down [E,H,I]
+    # (gate and up copied once here, out of the timed calls, from transformers' fused gate_up).
+    gate, up = _leaf(gate_up[:, :s.inter].clone()), _leaf(gate_up[:, s.inter:].clone())
+    r, d = _leaf(router), _leaf(down)
 
     def fn(x):
-        return moe_block(ops, "moe", x, r, config, local_experts(ops, "moe", experts.__getitem__))
+        return moe_block(ops, "moe", x, r, config, local_experts(ops, "moe", gate, up, d))
 
-    return Layer(fn, [r, *(w for ex in experts for w in ex)], "", ops)
+    return Layer(fn, [r, gate, up, d], "", ops)
 
 
 def ours_backend(layer: Layer) -> str:
@@ -414,10 +415,12 @@ def time_layer(layer: Layer, x, grad_out, timer: Timer) -> tuple[dict, torch.Ten
 
 
 def _stacked(grads: list) -> list:
-    """[router, gate_up [E,2I,H], down [E,H,I]] from a Layer's parameter order: those three, or the
-    router then (gate, up, down) per expert."""
+    """[router, gate_up [E,2I,H], down [E,H,I]] from a Layer's parameter order: those three, the router
+    then the gate, up and down stacks (ours), or the router then (gate, up, down) per expert."""
     if len(grads) == 3:
         return grads
+    if len(grads) == 4:
+        return [grads[0], torch.cat(grads[1:3], dim=1), grads[3]]
     experts = grads[1:]
     gate_up = torch.stack([torch.cat(experts[i:i + 2]) for i in range(0, len(experts), 3)])
     return [grads[0], gate_up, torch.stack(experts[2::3])]

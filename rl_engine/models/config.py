@@ -150,7 +150,7 @@ LLAMA_LAYOUT_NAMES = {
 LAYER_ROLES = ("input_norm", "q_proj", "k_proj", "v_proj", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm",
                "o_proj", "post_norm", "gate_proj", "up_proj", "down_proj")
 # The roles of a sparse layer's MLP, in place of gate/up/down_proj: the router and, per expert
-# ("{j}" in the name), its gated MLP.
+# ("{j}" in the HF name), its gated MLP; a model holds each expert role as one [E, ...] stack.
 DENSE_MLP_ROLES = ("gate_proj", "up_proj", "down_proj")
 EXPERT_ROLES = ("expert_gate_proj", "expert_up_proj", "expert_down_proj")
 MOE_ROLES = ("router",) + EXPERT_ROLES
@@ -201,6 +201,17 @@ class Family:
         if not self.qkv_bias:
             skip |= {"q_bias", "k_bias", "v_bias"}
         return tuple(r for r in LAYER_ROLES + MOE_ROLES if r not in skip)
+
+    def weight_name(self, role: str, layer: int | None = None) -> str:
+        """The name of a role's tensor in a model's weights: its HF name, except that the per-expert HF
+        tensors ("{j}" in the name) are held as one [E, ...] stack of all experts (stacked at load, so
+        the expert GEMMs read them in place and their gradients land there), named without the expert
+        index as transformers 5 names its stacks:
+        "...mlp.experts.{j}.gate_proj.weight" -> "...mlp.experts.gate_proj"."""
+        name = self.hf_names[role]
+        if "{j}" in name:
+            name = name.replace(".{j}.", ".").removesuffix(".weight")
+        return name.format(i=layer)
 
     def check(self, config: ModelConfig) -> None:
         """Raise ValueError when `config` asks for something this family does not compute."""

@@ -4,8 +4,9 @@ embedding -> L x [RMSNorm -> q/k/v proj (+ bias) -> (per-head q/k RMSNorm) -> Ro
 attention -> o proj -> residual -> RMSNorm -> gate/up proj -> SwiGLU -> down proj -> residual]
 -> final RMSNorm -> lm_head, or the embedding matrix itself when tied. A sparse layer of an MoE
 family runs rl_engine.models.moe.moe_block in place of the dense MLP (router + top-k experts).
-Weights are keyed by their Hugging Face names (the family's `hf_names`); node names are rl_engine's
-and the same for every family.
+Weights are keyed by their Hugging Face names (the family's `hf_names`), except a sparse layer's
+experts: one [E, ...] stack per projection (`Family.weight_name`); node names are rl_engine's and the
+same for every family.
 
 Every node calls its op through a `ProfileOps` (rl_engine.models.profiles), which picks the backend
 and records what ran. Residual adds, q/k/v bias adds and reshapes are plain tensor ops in the
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl_engine.models.config import ModelConfig
+from rl_engine.models.config import EXPERT_ROLES, ModelConfig
 from rl_engine.models.families import get_family
 from rl_engine.models.moe import local_experts, moe_block
 from rl_engine.models.profiles import ProfileOps
@@ -99,12 +100,12 @@ class DecoderModel:
         if inv_freq is not None:
             self.rope_params["inv_freq"] = inv_freq.to(device)
 
-    def name(self, role: str, layer: int | None = None, expert: int | None = None) -> str:
-        """The HF tensor name of a role (of layer `layer`, expert `expert`)."""
-        return self.family.hf_names[role].format(i=layer, j=expert)
+    def name(self, role: str, layer: int | None = None) -> str:
+        """The name of a role's tensor (of layer `layer`) in the weights."""
+        return self.family.weight_name(role, layer)
 
-    def _weight(self, role, layer=None, expert=None):
-        return self.w[self.name(role, layer, expert)]
+    def _weight(self, role, layer=None):
+        return self.w[self.name(role, layer)]
 
     # -- node names -----------------------------------------------------------------------------
     def required_nodes(self) -> list[str]:
@@ -161,8 +162,7 @@ class DecoderModel:
         h = h + self._linear(f"{p}.self_attn.o_proj", a, "o_proj", i)
         x = self._norm(f"{p}.post_attention_layernorm", h, "post_norm", i)
         if c.sparse_layer(i):
-            experts = local_experts(self.ops, f"{p}.mlp", lambda j: tuple(
-                self._weight(role, i, j) for role in ("expert_gate_proj", "expert_up_proj", "expert_down_proj")))
+            experts = local_experts(self.ops, f"{p}.mlp", *(self._weight(role, i) for role in EXPERT_ROLES))
             return h + moe_block(self.ops, f"{p}.mlp", x, self._weight("router", i), c.moe, experts)
         gate = self._linear(f"{p}.mlp.gate_proj", x, "gate_proj", i)
         up = self._linear(f"{p}.mlp.up_proj", x, "up_proj", i)

@@ -92,22 +92,34 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch
     return weights.to(logits.dtype), experts
 
 
+def expert_counts(sorted_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows per expert [E] from the sorted expert ids, by where each expert starts: no atomics and no
+    read-back (CUDA's bincount reads max() back to size its output)."""
+    experts = torch.arange(num_experts + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
+    return torch.searchsorted(sorted_ids, experts).diff()
+
+
 class Dispatch:
     """Where each (token, slot) goes: rows sorted by expert (index order), tokens in order within one.
 
     token_of_row [N = T*k]: the token of each permuted row; row_of_slot [T,k]: the permuted row of
-    each slot; counts: rows per expert (host ints).
+    each slot; counts [E]: rows per expert, on the device (never read back here).
     """
 
     def __init__(self, experts: torch.Tensor, num_experts: int):
         t, k = experts.shape
         flat = experts.reshape(-1)
-        order = torch.sort(flat, stable=True).indices  # stable: token order within an expert
+        ids, order = torch.sort(flat, stable=True)  # stable: token order within an expert
         self.token_of_row = order // k
         row_of_flat = torch.empty_like(order)
         row_of_flat[order] = torch.arange(order.numel(), device=order.device)
         self.row_of_slot = row_of_flat.view(t, k)
-        self.counts = torch.bincount(flat, minlength=num_experts).tolist()
+        self.counts = expert_counts(ids, num_experts)
+
+
+# The slot loops below gather one slot ([T,H]) at a time and let each fp32 operation read the bf16 rows
+# (an exact upcast inside the op): the same fp32 operations, in the same order, as on a [T,k,H] fp32
+# copy of the gathered rows, without that copy or a per-slot one.
 
 
 class _Permute(torch.autograd.Function):
@@ -121,10 +133,9 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows):
         (row_of_slot,) = ctx.saved_tensors
-        slots = grad_rows[row_of_slot].to(_acc(grad_rows))  # [T,k,H]
-        acc = slots[:, 0]
-        for s in range(1, slots.shape[1]):
-            acc = acc + slots[:, s]
+        acc = grad_rows[row_of_slot[:, 0]].to(_acc(grad_rows))
+        for s in range(1, row_of_slot.shape[1]):
+            acc = acc + grad_rows[row_of_slot[:, s]]
         return acc.to(grad_rows.dtype), None, None
 
 
@@ -134,42 +145,40 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, weights, row_of_slot):
         ctx.save_for_backward(rows, weights, row_of_slot)
-        slots = rows[row_of_slot].to(_acc(rows))  # [T,k,H]
-        w = weights.to(slots.dtype)
-        acc = w[:, 0, None] * slots[:, 0]
-        for s in range(1, slots.shape[1]):
-            acc = acc + w[:, s, None] * slots[:, s]
+        w = weights.to(_acc(rows))
+        acc = w[:, 0, None] * rows[row_of_slot[:, 0]]
+        for s in range(1, row_of_slot.shape[1]):
+            acc = acc + w[:, s, None] * rows[row_of_slot[:, s]]
         return acc.to(rows.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         rows, weights, row_of_slot = ctx.saved_tensors
         g = grad_out.to(_acc(rows))
-        grad_slots = (weights.to(g.dtype)[:, :, None] * g[:, None, :]).to(rows.dtype)
+        w = weights.to(g.dtype)
         grad_rows = torch.empty_like(rows)
-        grad_rows[row_of_slot.reshape(-1)] = grad_slots.reshape(-1, rows.shape[1])  # each row once: a copy
-        grad_weights = tree_sum(g[:, None, :] * rows[row_of_slot].to(g.dtype)).to(weights.dtype)
-        return grad_rows, grad_weights, None
+        grad_weights = torch.empty_like(w)
+        for s in range(row_of_slot.shape[1]):
+            grad_rows[row_of_slot[:, s]] = (w[:, s, None] * g).to(rows.dtype)  # each row once: a copy
+            grad_weights[:, s] = tree_sum(g * rows[row_of_slot[:, s]])
+        return grad_rows, grad_weights.to(weights.dtype), None
 
 
-def local_experts(ops, node: str, expert_weights: Callable[[int], tuple]):
+def local_experts(ops, node: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
     """The experts computed here, as one `grouped_matmul` dispatch per projection (gate, up, down) over
     all of them, each row through its own expert's weight, and one `swiglu`.
 
-    `expert_weights(e)` gives (gate, up, down) of expert e as HF stores them; they are stacked into
-    [E,N,K] per call (a copy of the expert weights per layer and step: simple, not free; a model that
-    keeps them stacked would skip it). Returns run(rows [N,H] grouped by expert, counts) -> [N,H].
+    gate, up [E,I,H] and down [E,H,I]: the experts' weights stacked, as the model holds them (read in
+    place, their gradients land there). Returns run(rows [N,H] grouped by expert, counts [E] on the
+    device) -> [N,H]; nothing is read back to the host.
     """
 
-    def run(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        gate, up, down = (torch.stack(w) for w in zip(*(expert_weights(e) for e in range(len(counts)))))
-        experts = torch.arange(len(counts), device=rows.device)
-        ids = torch.repeat_interleave(experts, torch.tensor(counts, device=rows.device), output_size=rows.shape[0])
-        x, ids = rows[None], ids[None]
-        g = ops("grouped_matmul", f"{node}.experts.gate_proj", x=x, weight=gate, expert_ids=ids)
-        u = ops("grouped_matmul", f"{node}.experts.up_proj", x=x, weight=up, expert_ids=ids)
+    def run(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        x = rows[None]
+        g = ops("grouped_matmul", f"{node}.experts.gate_proj", x=x, weight=gate, counts=counts)
+        u = ops("grouped_matmul", f"{node}.experts.up_proj", x=x, weight=up, counts=counts)
         m = ops("swiglu", f"{node}.experts.swiglu", gate=g, up=u)
-        return ops("grouped_matmul", f"{node}.experts.down_proj", x=m, weight=down, expert_ids=ids)[0]
+        return ops("grouped_matmul", f"{node}.experts.down_proj", x=m, weight=down, counts=counts)[0]
 
     return run
 

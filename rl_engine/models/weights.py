@@ -30,8 +30,9 @@ _MULTIPLIERS = (2654435761, 2246822519)
 _CHUNK = 1 << 24
 
 
-def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape, for the tensors the family's recipe uses."""
+def _tensors(config: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str, int] | None]]:
+    """(HF tensor name, shape, (model name of its expert stack, expert index) or None) for every tensor
+    of the family's recipe, in HF order."""
     c, family = config, get_family(config.family)
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     layer = {
@@ -56,15 +57,34 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         layer.update({"router": (e, c.hidden_size), "expert_gate_proj": (moe_i, c.hidden_size),
                       "expert_up_proj": (moe_i, c.hidden_size), "expert_down_proj": (c.hidden_size, moe_i)})
     names = family.hf_names
-    shapes = {names["embed"]: (c.vocab_size, c.hidden_size)}
+    tensors = [(names["embed"], (c.vocab_size, c.hidden_size), None)]
     for i in range(c.num_layers):
         for role in family.roles(config, i):
-            # "{j}": one tensor per expert, in expert order.
-            for j in range(experts) if "{j}" in names[role] else (None,):
-                shapes[names[role].format(i=i, j=j)] = layer[role]
-    shapes[names["final_norm"]] = (c.hidden_size,)
+            if "{j}" in names[role]:  # one HF tensor per expert, in expert order
+                stack = family.weight_name(role, i)
+                tensors += [(names[role].format(i=i, j=j), layer[role], (stack, j)) for j in range(experts)]
+            else:
+                tensors.append((names[role].format(i=i), layer[role], None))
+    tensors.append((names["final_norm"], (c.hidden_size,), None))
     if not c.tie_word_embeddings:
-        shapes[names["lm_head"]] = (c.vocab_size, c.hidden_size)
+        tensors.append((names["lm_head"], (c.vocab_size, c.hidden_size), None))
+    return tensors
+
+
+def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape, as a checkpoint stores them (one tensor per expert)."""
+    return {name: shape for name, shape, _ in _tensors(config)}
+
+
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The model's tensor name -> shape: the HF tensors, with each expert role's per-expert tensors held
+    as one [E, ...] stack (Family.weight_name)."""
+    shapes = {}
+    for name, shape, stack in _tensors(config):
+        if stack is None:
+            shapes[name] = shape
+        else:
+            shapes[stack[0]] = (stack[1] + 1, *shape)
     return shapes
 
 
@@ -73,11 +93,13 @@ def _name_seed(seed: int, name: str) -> int:
 
 
 def synthetic_weights(config: ModelConfig, seed: int, *, device="cpu", dtype=torch.bfloat16) -> dict:
-    """Weights drawn on `device` with its own generator (CPU and CUDA draws differ; the hash says which)."""
+    """Weights drawn on `device` with its own generator (CPU and CUDA draws differ; the hash says which).
+    Each HF tensor is drawn from its own name, an expert's into its slot of the stack."""
     device = torch.device(device)
     embed = get_family(config.family).hf_names["embed"]
+    shapes = weight_shapes(config)
     weights = {}
-    for name, shape in weight_shapes(config).items():
+    for name, shape, stack in _tensors(config):
         gen = torch.Generator(device=device).manual_seed(_name_seed(seed, name))
         t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
         if name.endswith("norm.weight"):
@@ -86,7 +108,12 @@ def synthetic_weights(config: ModelConfig, seed: int, *, device="cpu", dtype=tor
             t = 0.1 * t
         elif name != embed:
             t = t * shape[1] ** -0.5
-        weights[name] = t.to(dtype)
+        if stack is None:
+            weights[name] = t.to(dtype)
+        else:
+            if stack[0] not in weights:
+                weights[stack[0]] = torch.empty(shapes[stack[0]], device=device, dtype=dtype)
+            weights[stack[0]][stack[1]] = t
     return weights
 
 
@@ -269,6 +296,7 @@ def load_hf_checkpoint(path, config: ModelConfig, *, device="cpu", dtype=None) -
     A tensor the model does not use is refused rather than dropped (a bias would change the math),
     except the layers beyond a truncated config's depth. A tied model's file may still hold lm_head:
     transformers then ignores it, and so do we, but only when it equals the embedding bit for bit.
+    The per-expert tensors are returned stacked, one [E, ...] tensor per layer and role (weight_shapes).
     """
     from safetensors import SafetensorError, safe_open
 
@@ -279,8 +307,8 @@ def load_hf_checkpoint(path, config: ModelConfig, *, device="cpu", dtype=None) -
     hf = read_hf_config(config_file)
     check_hf_config(hf, config, source=str(config_file))
     names = get_family(config.family).hf_names
-    wanted = weight_shapes(config)
-    known = weight_shapes(replace(config, num_layers=hf["num_hidden_layers"], tie_word_embeddings=False))
+    wanted = checkpoint_shapes(config)
+    known = checkpoint_shapes(replace(config, num_layers=hf["num_hidden_layers"], tie_word_embeddings=False))
     weights, tied_head = {}, None
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -311,4 +339,10 @@ def load_hf_checkpoint(path, config: ModelConfig, *, device="cpu", dtype=None) -
         if head.shape != embed.shape or not torch.equal(head.to(embed.dtype), embed):
             raise CheckpointError(f"{file}: tensor {names['lm_head']} differs from {names['embed']} although "
                                   "tie_word_embeddings is true (transformers would ignore it)")
+    stacks = {}
+    for name, _, stack in _tensors(config):
+        if stack is not None:
+            stacks.setdefault(stack[0], []).append(name)
+    for stack, members in stacks.items():  # one stack at a time: its experts' tensors are freed as it is made
+        weights[stack] = torch.stack([weights.pop(name) for name in members])
     return weights

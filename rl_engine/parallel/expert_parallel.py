@@ -17,7 +17,6 @@ the same (global token) order as on one rank. gloo (CPU) and NCCL both implement
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -54,34 +53,35 @@ def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group) -> to
     return out
 
 
-def expert_parallel_experts(ops, node: str, expert_weights: Callable[[int], tuple], num_experts: int, group=None):
+def expert_parallel_experts(ops, node: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                            num_experts: int, group=None):
     """The expert step of moe_block over an EP group: run(rows [N,H] grouped by expert, counts [E]) -> [N,H].
 
-    `expert_weights(e)` gives (gate, up, down) of expert e, for the experts this rank holds.
+    gate, up [E/EP,I,H] and down [E/EP,H,I]: the stacked weights of the experts this rank holds
+    (expert_range), a slice of the model's stacks.
     """
     ep, me = dist.get_world_size(group), dist.get_rank(group)
-    mine = expert_range(num_experts, ep, me)
-    per = len(mine)
-    compute = local_experts(ops, node, lambda e: expert_weights(mine[e]))
+    per = len(expert_range(num_experts, ep, me))
+    compute = local_experts(ops, node, gate, up, down)
 
-    def run(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        # Per-expert counts to each expert's owner: from_source[s][e] rows of my expert e come from rank s.
-        counts_t = torch.tensor(counts, dtype=torch.int64, device=rows.device)
-        recv_counts = torch.empty_like(counts_t)
-        dist.all_to_all_single(recv_counts, counts_t, group=group)
-        from_source = recv_counts.view(ep, per).tolist()
-        send = [sum(counts[r * per : (r + 1) * per]) for r in range(ep)]
-        recv = [sum(c) for c in from_source]
+    def run(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # Per-expert counts to each expert's owner: from_source[s, e] rows of my expert e come from rank s.
+        from_source = torch.empty_like(counts)
+        dist.all_to_all_single(from_source, counts, group=group)
+        # The layer's one read-back: the all-to-all's split sizes are host ints.
+        host = torch.stack((counts, from_source)).view(2, ep, per).sum(-1).tolist()
+        send, recv = host[0], host[1]
         got = _AllToAll.apply(rows, send, recv, group)
-        # Received rows are source-major then expert; each expert's rows go (source, row) in order.
-        starts, at = [], 0
-        for c in from_source:
-            starts.append([at + sum(c[:e]) for e in range(per)])
-            at += sum(c)
-        order = [starts[s][e] + i for e in range(per) for s in range(ep) for i in range(from_source[s][e])]
-        order_t = torch.tensor(order, dtype=torch.int64, device=rows.device)
-        out_sorted = compute(got[order_t], [sum(from_source[s][e] for s in range(ep)) for e in range(per)])
-        out = torch.empty_like(out_sorted).index_copy(0, order_t, out_sorted)  # back to the received order
+        # Received rows are source-major then expert; each expert's rows go (source, row) in order:
+        # segment (s, e) starts at its exclusive cumsum in source-major order, and is taken expert-major.
+        sizes = from_source.view(ep, per)
+        seg_start = (sizes.reshape(-1).cumsum(0) - sizes.reshape(-1)).view(ep, per).t().reshape(-1)
+        seg_size = sizes.t().reshape(-1)
+        seg = torch.repeat_interleave(torch.arange(ep * per, device=rows.device), seg_size, output_size=sum(recv))
+        within = torch.arange(sum(recv), device=rows.device) - (seg_size.cumsum(0) - seg_size)[seg]
+        order = seg_start[seg] + within
+        out_sorted = compute(got[order], sizes.sum(0))
+        out = torch.empty_like(out_sorted).index_copy(0, order, out_sorted)  # back to the received order
         return _AllToAll.apply(out, recv, send, group)
 
     return run
@@ -112,8 +112,9 @@ def _problem(sizes: EpSizes, dtype, device) -> dict:
         "x": rand(sizes.tokens, h),
         "grad_out": rand(sizes.tokens, h),
         "router": rand(sizes.experts, h, scale=h**-0.5),
-        "experts": [(rand(i, h, scale=h**-0.5), rand(i, h, scale=h**-0.5), rand(h, i, scale=i**-0.5))
-                    for _ in range(sizes.experts)],
+        # Stacked as a model holds them: gate, up [E,I,H], down [E,H,I] (drawn expert by expert).
+        "experts": [torch.stack(ws) for ws in zip(*((rand(i, h, scale=h**-0.5), rand(i, h, scale=h**-0.5),
+                                                      rand(h, i, scale=i**-0.5)) for _ in range(sizes.experts)))],
     }
 
 
@@ -146,17 +147,15 @@ def run_ep_sizes(rank: int, world_size: int, device: str, sizes: EpSizes, ep_siz
         if rank >= ep:
             continue
         held = expert_range(sizes.experts, ep, rank)
-        weights = {e: tuple(w.detach().clone().requires_grad_(True) for w in problem["experts"][e]) for e in held}
+        weights = [w[held.start:held.stop].detach().clone().requires_grad_(True) for w in problem["experts"]]
         part = token_slice(sizes.tokens, ep, rank)
         x = problem["x"][part].detach().clone().requires_grad_(True)
-        run = expert_parallel_experts(ops, "moe", weights.__getitem__, sizes.experts, group)
+        run = expert_parallel_experts(ops, "moe", *weights, sizes.experts, group)
         out = moe_block(ops, "moe", x, problem["router"], moe, run)
         (out.float() * problem["grad_out"][part].float()).sum().backward()
         result = {"out": out.detach(), "grad_x": x.grad, "tokens": [part.start, part.stop]}
-        for e, ws in weights.items():
-            # An expert no token chose has a zero gradient (autograd leaves it None).
-            result.update({f"grad_expert.{e}.{n}": torch.zeros_like(w) if w.grad is None else w.grad
-                           for n, w in zip(("gate", "up", "down"), ws)})
+        for n, w in zip(("gate", "up", "down"), weights):  # an expert no token chose has a zero gradient
+            result.update({f"grad_expert.{e}.{n}": w.grad[j] for j, e in enumerate(held)})
         results[str(ep)] = result
     return results
 

@@ -30,17 +30,17 @@ class BatchDependentMatmul(ProfileOps):
 
 
 def _layer0(requires_grad=False):
+    """The router and the stacked expert weights (gate, up, down) of layer 0, as the model holds them."""
     w = synthetic_weights(CONFIG, 5)
     router = w["model.layers.0.mlp.gate.weight"].to(DEVICE).requires_grad_(requires_grad)
-    experts = [tuple(w[f"model.layers.0.mlp.experts.{j}.{r}.weight"].to(DEVICE).requires_grad_(requires_grad)
-                     for r in ROLES) for j in range(CONFIG.moe.num_experts)]
+    experts = [w[f"model.layers.0.mlp.experts.{r}"].to(DEVICE).requires_grad_(requires_grad) for r in ROLES]
     return router, experts
 
 
 def _run(ops, x, router, experts, grad_out=None):
     """The block's output, and d(sum(out * grad_out))/dx when grad_out is given."""
     x = x.detach().requires_grad_(grad_out is not None)
-    out = moe_block(ops, "moe", x, router, CONFIG.moe, local_experts(ops, "moe", experts.__getitem__))
+    out = moe_block(ops, "moe", x, router, CONFIG.moe, local_experts(ops, "moe", *experts))
     if grad_out is None:
         return out.detach(), None
     (out.float() * grad_out.float()).sum().backward()
@@ -77,8 +77,7 @@ def batch_runs():
     for _ in range(2):
         router, experts = _layer0(requires_grad=True)
         out, gx = _run(ops, x, router, experts, g)
-        weights = [router] + [w for e in experts for w in e]
-        runs.append([out, gx] + [torch.zeros_like(w) if w.grad is None else w.grad for w in weights])
+        runs.append([out, gx] + [w.grad for w in (router, *experts)])
     return runs
 
 
@@ -98,7 +97,65 @@ def test_backward_is_deterministic_and_reaches_every_weight(batch_runs):
     assert all(torch.equal(a, b) for a, b in zip(*batch_runs))
     out, gx, grad_router, *grad_experts = batch_runs[0]
     assert gx.abs().sum() > 0 and grad_router.abs().sum() > 0
-    assert sum(bool(t.abs().sum() > 0) for t in grad_experts) >= 6 * 3  # several experts served and learn
+    # Several experts served and learn (each stack's gradient has one slice per expert).
+    assert sum(bool(t[j].abs().sum() > 0) for t in grad_experts for j in range(t.shape[0])) >= 6 * 3
+
+
+class WeightRecordingOps(ProfileOps):
+    """Records the storage of the weight every `grouped_matmul` dispatch reads."""
+
+    def __init__(self, profile):
+        super().__init__(profile)
+        self.weights = []
+
+    def __call__(self, op, node, params=None, **inputs):
+        if op == "grouped_matmul":
+            self.weights.append(inputs["weight"].data_ptr())
+        return super().__call__(op, node, params, **inputs)
+
+
+def _accumulators(out):
+    """{id(leaf): name of the autograd node that hands the leaf its gradient}, over out's graph."""
+    parents, todo, seen = {}, [out.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            if type(child).__name__ == "AccumulateGrad":
+                parents.setdefault(id(child.variable), set()).add(type(node).__name__)
+            else:
+                todo.append(child)
+    return parents
+
+
+def test_the_experts_run_on_the_stacked_weights_in_place():
+    """Regression: the layer once stacked the per-expert weights on every call (a copy of all its expert
+    weights per step, and a stack node in backward). The grouped GEMMs must read the model's [E, ...]
+    stacks themselves, and autograd hand their gradients from the grouped op straight to them."""
+    ops = WeightRecordingOps(get_profile("triton_bf16"))
+    router, experts = _layer0(requires_grad=True)
+    out = moe_block(ops, "moe", _tokens()[0], router, CONFIG.moe, local_experts(ops, "moe", *experts))
+    assert ops.weights == [w.data_ptr() for w in experts]
+    parents = _accumulators(out)
+    assert [parents.get(id(w)) for w in experts] == [{"_GroupedMatmulBackward"}] * 3
+
+
+@pytest.mark.gpu
+def test_the_layer_never_waits_for_the_gpu():
+    """Forward and backward of the block read nothing back to the host (no .tolist(), no bincount, no
+    host-built tile tables): torch's sync debug mode turns any synchronisation into an error."""
+    ops = ProfileOps(get_profile("triton_bf16"))
+    router, experts = _layer0(requires_grad=True)
+    x, g = _tokens(64)
+    _run(ops, x, router, experts, g)  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _run(ops, x, router, experts, g)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
 
 
 def _mini(workload):

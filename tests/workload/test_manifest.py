@@ -17,9 +17,10 @@ def test_committed_manifest_loads_for_both_models():
     assert max(max(s.token_ids) for s in big.samples) > 257  # drawn from the 8B vocabulary
 
 
-def test_pinned_tiny_weight_hash():
-    tiny = load_workload(CONFIGS["tiny"])
-    assert content_hash(synthetic_weights(CONFIGS["tiny"], tiny.weight_seed)) == tiny.weight_hash
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])  # tiny-moe: its experts held as [E, ...] stacks
+def test_pinned_tiny_weight_hash(name):
+    tiny = load_workload(CONFIGS[name])
+    assert content_hash(synthetic_weights(CONFIGS[name], tiny.weight_seed)) == tiny.weight_hash
 
 
 def _edited(tmp_path, edit):

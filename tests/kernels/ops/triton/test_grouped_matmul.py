@@ -121,3 +121,35 @@ def test_gpu_qwen3_30b_a3b_experts_bitwise_to_the_loop(n, k):
     assert torch.equal(r.grad, r2.grad)
     ref = torch.stack([gg.float().t() @ rr.float() for gg, rr in zip(grad_out.split(counts), rows.split(counts))])
     assert (w.grad.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+
+
+@pytest.mark.parametrize("counts", [COUNTS, [0, 0, 0], [16, 16], [0, 40, 0, 0, 7], [3] * 40], ids=str)
+def test_the_tile_table_is_built_on_the_device_without_the_counts_on_the_host(counts):
+    """Each expert's rows cut into 16-row tiles, experts in order, then empty tiles up to the bound
+    cdiv(rows, 16) + E that the host knows without reading the counts."""
+    from rl_engine.kernels.ops.triton.linear.grouped_matmul import _tile_table
+
+    table, row = [], 0
+    for expert, count in enumerate(counts):
+        table += [(expert, first, min(first + 16, row + count)) for first in range(row, row + count, 16)]
+        row += count
+    table += [(0, 0, 0)] * (-(-row // 16) + len(counts) - len(table))
+    got = _tile_table(torch.tensor(counts, device=DEVICE), 16, row)
+    assert got.tolist() == [list(t) for t in table]
+
+
+def test_device_counts_give_the_bits_of_host_counts_and_of_expert_ids():
+    """The MoE layer's call (counts [E] on the device, rows grouped) against the list and against the
+    registry op given the expert of every row."""
+    from rl_engine.kernels.ops.triton.linear.grouped_matmul import TritonGroupedMatmulOp
+
+    rows, weight = problem(COUNTS, 24, 40, torch.bfloat16)
+    counts = torch.tensor(COUNTS, device=DEVICE)
+    out = grouped_matmul(rows, weight, counts)
+    assert torch.equal(out, grouped_matmul(rows, weight, COUNTS))
+    ids = torch.repeat_interleave(torch.arange(len(COUNTS), device=DEVICE), counts)
+    op = TritonGroupedMatmulOp()
+    assert torch.equal(op(x=rows[None], weight=weight, counts=counts)[0], out)
+    assert torch.equal(op(x=rows[None], weight=weight, expert_ids=ids[None])[0], out)
+    with pytest.raises(ValueError, match="exactly one of them"):
+        op(x=rows[None], weight=weight, expert_ids=ids[None], counts=counts)

@@ -18,8 +18,9 @@ Backward, deterministic and without atomics:
 - d_weight[e] = d_out[rows of e]^T @ rows[rows of e]: one program per [BLOCK_N, BLOCK_K] tile of one
   expert's gradient walks that expert's rows in order (a fixed-order sum over its tokens; an expert
   without rows gets zeros).
-The tile table (expert, first row, end row of each tile) is built on the host from `counts`, which the
-caller already holds on the host (MoE dispatch reads them back once per layer).
+The tile table (expert, first row, end row of each tile) is built on the device from the device
+tensor `counts`, never read back: the grid is a bound known on the host (cdiv(R, BLOCK_M) + E tiles)
+and the programs past the last tile return at once. So a call does not wait for the GPU.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def _grouped_matmul_kernel(
     expert = tl.load(tile + 0)
     row0 = tl.load(tile + 1)
     row_end = tl.load(tile + 2)
+    if row_end <= row0:  # past the last tile (the grid is a bound): nothing to do
+        return
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -106,25 +109,51 @@ def _grouped_weight_grad_kernel(
     tl.store(d_ptrs, cast_rne(acc, dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
 
 
-def _tile_table(counts: list[int], block_m: int, device) -> torch.Tensor:
-    """int32 [tiles, 3]: (expert, first row, end row) of every BLOCK_M tile of every expert's rows."""
-    table, row = [], 0
-    for expert, count in enumerate(counts):
-        for first in range(row, row + count, block_m):
-            table.append((expert, first, min(first + block_m, row + count)))
-        row += count
-    return torch.tensor(table, dtype=torch.int32).reshape(-1, 3).to(device)
+@triton.jit
+def _tile_table_kernel(counts_ptr, tiles_ptr, num_experts, num_tiles,
+                       BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    # One program. The experts before tile t's expert are those whose tiles all end at or before t:
+    # counting them, and summing their rows and tiles, locates tile t. Past the last tile: (0, 0, 0).
+    e = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + e, mask=e < num_experts, other=0).to(tl.int32)
+    per = (counts + (BLOCK_M - 1)) // BLOCK_M  # tiles of each expert
+    tile_ends = tl.cumsum(per, 0)
+    for t0 in range(0, num_tiles, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        before = tile_ends[None, :] <= t[:, None]  # [BLOCK_T, E_PAD]
+        expert = tl.sum(before.to(tl.int32), 1)
+        rows_before = tl.sum(tl.where(before, counts[None, :], 0), 1)
+        first = rows_before + (t - tl.sum(tl.where(before, per[None, :], 0), 1)) * BLOCK_M
+        count = tl.sum(tl.where(e[None, :] == expert[:, None], counts[None, :], 0), 1)
+        end = tl.minimum(first + BLOCK_M, rows_before + count)
+        used = expert < num_experts
+        out = tiles_ptr + t * 3
+        ok = t < num_tiles
+        tl.store(out + 0, tl.where(used, expert, 0), mask=ok)
+        tl.store(out + 1, tl.where(used, first, 0), mask=ok)
+        tl.store(out + 2, tl.where(used, end, 0), mask=ok)
 
 
-def _launch(a: torch.Tensor, w: torch.Tensor, counts: list[int], *, transpose_w: bool) -> torch.Tensor:
+def _tile_table(counts: torch.Tensor, block_m: int, rows: int) -> torch.Tensor:
+    """int32 [cdiv(rows, block_m) + E, 3]: (expert, first row, end row) of every block_m tile of every
+    expert's rows, experts in order, then empty tiles (0, 0, 0): the size is a bound on the tiles that
+    needs no count on the host. One launch on the device counts (no host sync)."""
+    e = counts.numel()
+    tiles = torch.empty(triton.cdiv(rows, block_m) + e, 3, dtype=torch.int32, device=counts.device)
+    _tile_table_kernel[(1,)](counts, tiles, e, tiles.shape[0], BLOCK_M=block_m,
+                             E_PAD=triton.next_power_of_2(e), BLOCK_T=64)
+    return tiles
+
+
+def _launch(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, *, transpose_w: bool) -> torch.Tensor:
     """a [R,K'] @ (w[e]^T if not transpose_w else w[e]) per expert; w stored [E,N,K]."""
     e, n_w, k_w = w.shape
     n, k = (k_w, n_w) if transpose_w else (n_w, k_w)
     out = torch.empty(a.shape[0], n, dtype=a.dtype, device=a.device)
     cfg = matmul_config(a.dtype, n, k)
-    tiles = _tile_table(counts, cfg.block_m, a.device)
-    if tiles.shape[0] == 0 or n == 0:
+    if a.shape[0] == 0 or n == 0:
         return out
+    tiles = _tile_table(counts, cfg.block_m, a.shape[0])
     # Forward reads w[e] as [K,N]: k steps along w's last dim; backward reads it as stored [N',K'].
     stride_wk, stride_wn = (w.stride(1), w.stride(2)) if transpose_w else (w.stride(2), w.stride(1))
     _grouped_matmul_kernel[(tiles.shape[0], triton.cdiv(n, cfg.block_n))](
@@ -137,13 +166,13 @@ def _launch(a: torch.Tensor, w: torch.Tensor, counts: list[int], *, transpose_w:
     return out
 
 
-def _weight_grad(grad_out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def _weight_grad(grad_out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     e, n, k = w.shape
     dw = torch.empty_like(w)
     cfg = matmul_config(a.dtype, n, k)
     # The row step is the matmul table's K step: the reduction over tokens walks them in BLOCK_K rows.
     block_n, block_k, block_r = min(cfg.block_m, 128), min(cfg.block_n, 128), cfg.block_k
-    starts = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32).to(a.device)
+    starts = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
     _grouped_weight_grad_kernel[(e, triton.cdiv(n, block_n) * triton.cdiv(k, block_k))](
         grad_out, a, dw, starts, n, k,
         grad_out.stride(0), grad_out.stride(1), a.stride(0), a.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
@@ -157,40 +186,47 @@ def _weight_grad(grad_out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, count
 class _GroupedMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, weight, counts):
-        ctx.save_for_backward(rows, weight)
-        ctx.counts = counts
+        ctx.save_for_backward(rows, weight, counts)
         return _launch(rows, weight, counts, transpose_w=False)
 
     @staticmethod
     def backward(ctx, grad_out):
-        rows, weight = ctx.saved_tensors
+        rows, weight, counts = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        d_rows = _launch(grad_out, weight, ctx.counts, transpose_w=True) if ctx.needs_input_grad[0] else None
-        d_weight = _weight_grad(grad_out, rows, weight, ctx.counts) if ctx.needs_input_grad[1] else None
+        d_rows = _launch(grad_out, weight, counts, transpose_w=True) if ctx.needs_input_grad[0] else None
+        d_weight = _weight_grad(grad_out, rows, weight, counts) if ctx.needs_input_grad[1] else None
         return d_rows, d_weight, None
 
 
-def grouped_matmul(rows: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """[R,N]: rows [R,K] (sorted by expert, counts[e] rows of expert e) times weight[e]^T, weight [E,N,K]."""
+def grouped_matmul(rows: torch.Tensor, weight: torch.Tensor, counts) -> torch.Tensor:
+    """[R,N]: rows [R,K] (sorted by expert, counts[e] rows of expert e) times weight[e]^T, weight [E,N,K].
+
+    `counts`: an integer tensor [E] on the rows' device, trusted (checking its sum would wait for the
+    GPU), or a host list of ints, checked and copied to the device."""
     if rows.dim() != 2 or weight.dim() != 3:
         raise ValueError(f"rows [R,K] and weight [E,N,K] expected, got {tuple(rows.shape)} and {tuple(weight.shape)}")
     if weight.shape[2] != rows.shape[1]:
         raise ValueError(f"weight: expected K = {rows.shape[1]} (rows' last dim), got {weight.shape[2]}")
-    if len(counts) != weight.shape[0] or sum(counts) != rows.shape[0] or min(counts, default=0) < 0:
-        raise ValueError(f"counts: expected {weight.shape[0]} non-negative counts summing to {rows.shape[0]}, "
-                         f"got {len(counts)} summing to {sum(counts)}")
+    if not isinstance(counts, torch.Tensor):
+        if len(counts) != weight.shape[0] or sum(counts) != rows.shape[0] or min(counts, default=0) < 0:
+            raise ValueError(f"counts: expected {weight.shape[0]} non-negative counts summing to {rows.shape[0]}, "
+                             f"got {len(counts)} summing to {sum(counts)}")
+        counts = torch.tensor(counts, device=rows.device)
+    if tuple(counts.shape) != (weight.shape[0],) or counts.is_floating_point() or counts.device != rows.device:
+        raise ValueError(f"counts: expected an integer tensor [{weight.shape[0]}] on {rows.device}, "
+                         f"got {counts.dtype} {tuple(counts.shape)} on {counts.device}")
     if rows.dtype != weight.dtype:
         raise ValueError(f"weight: expected rows' dtype {rows.dtype}, got {weight.dtype}")
-    return _GroupedMatmul.apply(rows, weight, list(counts))
+    return _GroupedMatmul.apply(rows, weight, counts.to(torch.int64))
 
 
 def triton_grouped_matmul(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
     """[B,S,N]: each row x[b,s] times weight[expert_ids[b,s]]^T. Rows are sorted by expert (stably: token
-    order within an expert) for the grouped kernel and put back; the counts are read back to the host."""
+    order within an expert) for the grouped kernel and put back."""
     b, s, k = x.shape
     ids = expert_ids.reshape(-1)
     order = torch.sort(ids, stable=True).indices
-    counts = torch.bincount(ids, minlength=weight.shape[0]).tolist()
+    counts = torch.bincount(ids, minlength=weight.shape[0])
     out_sorted = grouped_matmul(x.reshape(-1, k)[order], weight, counts)
     # index_copy writes each row once (backward: a gather), so nothing is summed in an unknown order.
     out = out_sorted.new_empty(out_sorted.shape).index_copy(0, order, out_sorted)
@@ -198,12 +234,19 @@ def triton_grouped_matmul(x: torch.Tensor, weight: torch.Tensor, expert_ids: tor
 
 
 class TritonGroupedMatmulOp:
-    """Triton candidate for NativeGroupedMatmulOp: op(x=[B,S,K], weight=[E,N,K], expert_ids=[B,S])."""
+    """Triton candidate for NativeGroupedMatmulOp: op(x=[B,S,K], weight=[E,N,K], expert_ids=[B,S]), or
+    counts=[E] for rows already grouped by expert: then they go straight to the kernel, no sort, no
+    gather, no read-back (the MoE layer's call)."""
 
     input_names = NativeGroupedMatmulOp.input_names
 
-    def __call__(self, *, x, weight, expert_ids):
-        NativeGroupedMatmulOp().validate(x=x, weight=weight, expert_ids=expert_ids)
+    def __call__(self, *, x, weight, expert_ids=None, counts=None):
+        if counts is None:  # the checks of the ids' values read them back: only on this path
+            NativeGroupedMatmulOp().validate(x=x, weight=weight, expert_ids=expert_ids)
+        else:
+            NativeGroupedMatmulOp.validate_shapes(x, weight, expert_ids, counts)
         if x.dtype != weight.dtype:
             raise ValueError(f"weight: expected x's dtype {x.dtype}, got {weight.dtype}")
-        return triton_grouped_matmul(x, weight, expert_ids)
+        if counts is None:
+            return triton_grouped_matmul(x, weight, expert_ids)
+        return grouped_matmul(x.reshape(-1, x.shape[-1]), weight, counts).view(*x.shape[:2], weight.shape[1])
