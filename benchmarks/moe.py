@@ -483,7 +483,8 @@ def layer_section(s: Shapes, token_list, weights, timer: Timer, device: str, gro
 # -- the run ------------------------------------------------------------------------------------
 
 GEMM_COLUMNS = ["gemm", "tokens", "rows", "impl", "ms", "tflop_per_s", "pct_of_best_peer", "pct_of_dense_ref",
-                "graph_ms", "graph_tflop_per_s", "graph_pct_of_best_peer", "max_abs_diff", "bitwise_vs_triton_loop", "error"]
+                "graph_ms", "graph_tflop_per_s", "graph_pct_of_best_peer", "max_abs_diff", "bitwise_vs_triton_loop",
+                "error"]
 LAYER_COLUMNS = ["tokens", "impl", "fwd_ms", "fwd_bwd_ms", "fwd_bwd_x_grouped_mm", "fwd_peak_mb", "fwd_bwd_peak_mb",
                  "fwd_bwd_peak_x_grouped_mm", "out_rel_l2", "dx_rel_l2", "drouter_rel_l2", "dgate_up_rel_l2",
                  "ddown_rel_l2", "error"]
