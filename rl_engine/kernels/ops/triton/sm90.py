@@ -1,4 +1,4 @@
-"""Compile the attention, grouped-GEMM and linear_logp kernels for the H200 (sm_90a) without a GPU.
+"""Compile the attention, matmul, grouped-GEMM and linear_logp kernels for the H200 (sm_90a) without a GPU.
 
     TRITON_INTERPRET=0 python -m rl_engine.kernels.ops.triton.sm90 [--tile M,N,WARPS,STAGES]
 
@@ -115,6 +115,36 @@ def compile_grouped_matmul(kind: str, dtype: torch.dtype):
     return _compile(fn, constants, types, cfg.num_warps, cfg.num_stages)
 
 
+MATMUL_VARIANTS = ("plain", "init", "out_fp32", "init_out_fp32")
+
+
+def compile_matmul(variant: str):
+    """The bf16 TMA matmul kernel at its GPU tiles, activations times a weight stored [N, K] (B_TRANS):
+    as one product ("plain"), or as a K-slice continuing another launch's fp32 partial ("init"),
+    handing its own on ("out_fp32"), or both (a tensor-parallel rank in the middle of the chain)."""
+    from rl_engine.kernels.ops.triton.linear import matmul as mm
+
+    cfg = mm.matmul_config(torch.bfloat16, 4096, 4096)
+    has_init, out_fp32 = variant in ("init", "init_out_fp32"), variant in ("out_fp32", "init_out_fp32")
+    blocks = {"a_desc": [cfg.block_m, cfg.block_k], "b_desc": [cfg.block_n, cfg.block_k],
+              "c_desc": [cfg.block_m, cfg.block_n]}
+    constants = dict(A_TRANS=False, B_TRANS=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                     GROUP_M=cfg.group_m, NUM_PROGRAMS=132, DOT_FP32=False,
+                     INPUT_PRECISION=dot_precision(torch.bfloat16), HAS_INIT=has_init, OUT_FP32=out_fp32)
+    if not has_init:
+        constants["init_ptr"] = None
+    if not out_fp32:
+        constants["out32_ptr"] = None
+
+    def types(name: str) -> str:
+        if name in blocks:
+            return f"tensordesc<bf16[{blocks[name][0]}, {blocks[name][1]}]>"
+        return "*fp32" if name.endswith("_ptr") else "i32"
+
+    stages = cfg.num_stages if variant == "plain" else mm.CONTINUATION_STAGES
+    return _compile(mm._matmul_tma_kernel, constants, types, cfg.num_warps, stages)
+
+
 LINEAR_LOGP_KERNELS = ("partials", "combine", "dlogits", "dh", "dw")
 
 
@@ -218,6 +248,8 @@ def main(argv=None) -> int:
                 record(f"grouped_{kind}/{name}", functools.partial(compile_grouped_matmul, kind, dtype))
             for kind in LINEAR_LOGP_KERNELS:
                 record(f"linear_logp_{kind}/{name}", functools.partial(compile_linear_logp, kind, dtype))
+        for variant in MATMUL_VARIANTS:
+            record(f"matmul_{variant}/bf16", functools.partial(compile_matmul, variant))
     for dtype, head_dim in cases:
         for kind in ATTENTION_KERNELS:
             key = f"{kind}/{'bf16' if dtype == torch.bfloat16 else 'fp32'}/{head_dim}"

@@ -374,7 +374,7 @@ def _check_direct_launch(launch_tma, plan, calls):
         launch_tma(plan, 3, descriptors, m, 40, 48, False, True)
     (via_triton, _, triton_args, options), (via_run, grid, direct_args, extra) = calls
     assert (via_triton, via_run) == ("triton", "direct")
-    expected = (*descriptors, 1, 40, 48, False, True, *plan.constexprs)
+    expected = (*descriptors, 1, 40, 48, None, None, False, True, *plan.constexprs, False, False)
     assert direct_args == expected, f"direct launch passed {direct_args}"
     assert grid == (3,) and extra == {"stream": 1234, "hooks": (None, None)}
     assert triton_args[3:] == (33, *expected[4:]), "both paths bind the kernel's parameters in one order"
@@ -393,10 +393,10 @@ def test_direct_launch_check_catches_swapped_arguments(fake_gpu_launch):
     module, plan, calls = fake_gpu_launch
 
     def swapped_launch(plan, grid, descriptors, m, n, k, a_trans, b_trans):
-        kernel = plan.tma_kernels.get((0, a_trans, b_trans))
+        kernel = plan.tma_kernels.get((0, a_trans, b_trans, False, False))
         if kernel is None:
             return module._launch_tma(plan, grid, descriptors, m, n, k, a_trans, b_trans)
-        args = (*descriptors, m, k, n, a_trans, b_trans, *plan.constexprs)
+        args = (*descriptors, m, k, n, None, None, a_trans, b_trans, *plan.constexprs, False, False)
         kernel.run(grid, 1, 1, 1234, kernel.function, kernel.packed_metadata, None, None, None, *args)
 
     with pytest.raises(AssertionError, match="direct launch passed"):
@@ -514,3 +514,33 @@ def test_gpu_direct_launch_and_cuda_graph_give_triton_launch_bits():
         graph.replay()
         torch.cuda.synchronize()
         assert_bitwise(captured, first, f"{what}: CUDA graph replay")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("parts", [2, 4])
+def test_a_product_continued_over_k_slices_has_the_bits_of_one_launch(dtype, parts):
+    """init= / out_fp32= split one product's K loop over launches (a tensor-parallel rank per slice)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 128, generator=gen).to(dtype)
+    w = (torch.randn(48, 128, generator=gen) / 8).to(dtype)
+    step = 128 // parts
+    acc = None
+    for i in range(parts):
+        s = slice(i * step, (i + 1) * step)
+        acc = batch_invariant_mm(x[:, s].contiguous(), w[:, s].contiguous().t(), init=acc, out_fp32=i < parts - 1)
+    assert acc.dtype == dtype and torch.equal(acc, batch_invariant_mm(x, w.t()))
+
+
+def test_the_continuation_check_catches_partials_summed_afterwards():
+    # Planted: each slice from zero, then added: fp32 shows the different order (bf16 may round it away).
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(37, 128, generator=gen), torch.randn(48, 128, generator=gen) / 8
+    halves = [batch_invariant_mm(x[:, s].contiguous(), w[:, s].contiguous().t(), out_fp32=True)
+              for s in (slice(0, 64), slice(64, 128))]
+    assert not torch.equal(halves[0] + halves[1], batch_invariant_mm(x, w.t()))
+
+
+def test_a_continuation_refuses_an_init_of_the_wrong_kind():
+    x, w = torch.randn(4, 32), torch.randn(8, 32)
+    with pytest.raises(ValueError, match="init: expected float32"):
+        batch_invariant_mm(x, w.t(), init=torch.zeros(4, 8, dtype=torch.bfloat16))

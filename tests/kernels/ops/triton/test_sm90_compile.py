@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from rl_engine.kernels.ops.triton.sm90 import ATTENTION_KERNELS, H200_SHARED_BYTES, LINEAR_LOGP_KERNELS
+from rl_engine.kernels.ops.triton.sm90 import ATTENTION_KERNELS, H200_SHARED_BYTES, LINEAR_LOGP_KERNELS, MATMUL_VARIANTS
 
 # One case per tile class of attention_config: small heads, a padded head (80), the main bf16 tiles,
 # 256-lane heads, and fp32's two classes.
@@ -60,6 +60,14 @@ def test_linear_logp_compiles_for_the_h200(report, kind, dtype):
     result = report[f"linear_logp_{kind}/{dtype}"]
     assert "error" not in result, result["error"]
     assert result["cubin"] > 0 and result["shared"] <= H200_SHARED_BYTES, result
+
+
+@pytest.mark.parametrize("variant", MATMUL_VARIANTS)
+def test_matmul_and_its_continuations_compile_for_the_h200(report, variant):
+    # The continuations (an fp32 partial in or out) are what a tensor-parallel rank launches.
+    result = report[f"matmul_{variant}/bf16"]
+    assert "error" not in result, result["error"]
+    assert result["cubin"] > 0 and result["shared"] <= H200_SHARED_BYTES and result["wgmma"] > 0, result
 
 
 def test_a_tile_that_overflows_shared_memory_is_caught():

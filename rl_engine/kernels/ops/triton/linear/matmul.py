@@ -72,6 +72,7 @@ INTERPRETER_CONFIG = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2,
 INTERPRETER_PROGRAMS = 4  # stands in for the SM count: several tiles per program, as on the GPU
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+CONTINUATION_STAGES = 1  # TMA launches that start from or hand on an fp32 partial (see _launch_tma)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -104,11 +105,15 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_pointer_kernel(
-    a_ptr, b_ptr, c_ptr, M, N, K,
+    a_ptr, b_ptr, c_ptr, M, N, K, init_ptr,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    HAS_INIT: tl.constexpr = False,
 ):  # fmt: skip
+    # HAS_INIT: the accumulator starts from init_ptr's fp32 [M, N] (contiguous) instead of zero: the
+    # K loop continued from an earlier launch's fp32 partial (a tensor-parallel rank continuing the
+    # previous rank's reduction), the same adds in the same order as one launch over the whole K.
     start = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -129,7 +134,10 @@ def _matmul_pointer_kernel(
         # (e.g. d_weight of the lm_head reads logits' gradient transposed, stride V = 151936).
         a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k0[None, :] * stride_ak
         b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k0[:, None] * stride_bk
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if HAS_INIT:
+            acc = tl.load(init_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :])
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             k_left = K - ki * BLOCK_K
             a = tl.load(a_ptrs, mask=offs_k0[None, :] < k_left, other=0.0)
@@ -152,11 +160,15 @@ def _matmul_pointer_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_tma_kernel(
-    a_desc, b_desc, c_desc, M, N, K,
+    a_desc, b_desc, c_desc, M, N, K, init_ptr, out32_ptr,
     A_TRANS: tl.constexpr, B_TRANS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    HAS_INIT: tl.constexpr, OUT_FP32: tl.constexpr,
 ):  # fmt: skip
+    # HAS_INIT: see _matmul_pointer_kernel. OUT_FP32: the unrounded accumulator goes to out32_ptr
+    # (fp32 [M, N], contiguous) through plain stores: an fp32 TMA store tile would not fit beside the
+    # pipeline's buffers in shared memory. Both off: the kernel as it always was.
     # A_TRANS: a_desc describes the stored [K,M] tensor whose transpose is a; B_TRANS: b_desc
     # describes the stored [N,K] tensor (a weight) whose transpose is b. TMA zero-fills outside.
     start = tl.program_id(0)
@@ -169,7 +181,13 @@ def _matmul_tma_kernel(
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if HAS_INIT:
+            rows = off_m + tl.arange(0, BLOCK_M)
+            cols = off_n + tl.arange(0, BLOCK_N)
+            acc = tl.load(init_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :],
+                          mask=(rows[:, None] < M) & (cols[None, :] < N), other=0.0)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             off_k = ki * BLOCK_K
             if A_TRANS:
@@ -187,7 +205,13 @@ def _matmul_tma_kernel(
 
         tile_id_c += NUM_PROGRAMS
         pid_m, pid_n = _tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
-        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
+        if OUT_FP32:
+            rows_c = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(out32_ptr + rows_c.to(tl.int64)[:, None] * N + cols_c[None, :], acc,
+                     mask=(rows_c[:, None] < M) & (cols_c[None, :] < N))
+        else:
+            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
 
 
 def _row_major_layout(t: torch.Tensor) -> tuple[list[int], list[int], bool] | None:
@@ -269,7 +293,7 @@ class _Plan:
     a_block: dict[bool, list[int]]  # TMA block shape of the stored a, by A_TRANS
     b_block: dict[bool, list[int]]  # ... of the stored b, by B_TRANS
     c_block: list[int]
-    # Compiled TMA kernels by (current device, A_TRANS, B_TRANS), launched without Triton's
+    # Compiled TMA kernels by (current device, A_TRANS, B_TRANS, HAS_INIT, OUT_FP32), launched without Triton's
     # argument binding. Their specialisation is fixed by this plan: descriptors specialise on
     # dtype and block shape only, N and K are the plan's, and M is never specialised.
     tma_kernels: dict = dataclasses.field(default_factory=dict)
@@ -323,20 +347,25 @@ def _launch_hooks_set() -> bool:
     return any(h is not None and getattr(h, "calls", True) for h in hooks)
 
 
-def _launch_tma(plan: _Plan, grid: int, descriptors: tuple, m: int, n: int, k: int, a_trans: bool, b_trans: bool):
+def _launch_tma(plan: _Plan, grid: int, descriptors: tuple, m: int, n: int, k: int, a_trans: bool, b_trans: bool,
+                init: torch.Tensor | None = None, out32: torch.Tensor | None = None):
     cfg = plan.config
     # Every kernel parameter, positionally and in order, constexprs included (the launcher skips them).
-    args = (*descriptors, m, n, k, a_trans, b_trans, *plan.constexprs)
+    args = (*descriptors, m, n, k, init, out32, a_trans, b_trans, *plan.constexprs, init is not None,
+            out32 is not None)
+    # A continuation moves an fp32 tile through shared memory (sm90 check: 131 KB at one stage, over the
+    # H200's 227 KB at two). Pipelining depth changes no bit: the same dots in the same order.
+    stages = cfg.num_stages if init is None and out32 is None else CONTINUATION_STAGES
     if plan.interpreting:
-        _matmul_tma_kernel[(grid,)](*args, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _matmul_tma_kernel[(grid,)](*args, num_warps=cfg.num_warps, num_stages=stages)
         return
     device = torch.cuda.current_device()
     _ensure_cuda_context(device)
-    key = (device, a_trans, b_trans)
+    key = (device, a_trans, b_trans, init is not None, out32 is not None)
     kernel = plan.tma_kernels.get(key)
     if kernel is None or _launch_hooks_set():
         # First call for this plan (compiles or loads from Triton's cache), or a profiler is listening.
-        plan.tma_kernels[key] = _matmul_tma_kernel[(grid,)](*args, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        plan.tma_kernels[key] = _matmul_tma_kernel[(grid,)](*args, num_warps=cfg.num_warps, num_stages=stages)
         return
     # The same compiled kernel Triton's launch would pick, launched directly: skips binding and
     # specialising 15 arguments and building the cache key on every call (the TMA descriptors are
@@ -344,19 +373,28 @@ def _launch_tma(plan: _Plan, grid: int, descriptors: tuple, m: int, n: int, k: i
     kernel.run(grid, 1, 1, _current_stream()(device), kernel.function, kernel.packed_metadata, None, None, None, *args)
 
 
-def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig | None = None) -> torch.Tensor:
+def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig | None = None,
+                       init: torch.Tensor | None = None, out_fp32: bool = False) -> torch.Tensor:
     """c = a @ b in a's dtype, fp32 accumulation; row i of c depends only on a[i] and b.
 
     a: [M,K], b: [K,N], any strides (b is typically weight.t(): no copy is made).
-    `config` overrides the fixed table: for sweeps and tests only, since changing it changes bits.
+    `config` overrides the fixed table: for sweeps, tests, and a K-slice that must run the whole
+    product's tiles (see `continue_mm`), since changing it changes bits.
+    init (fp32 [M,N]): the accumulator's start instead of zero. out_fp32: return the unrounded fp32
+    accumulator. Together they split one product's K loop over launches without changing a bit.
     """
     _check_operands(a, b)
     (m, k), n = a.shape, b.shape[1]
+    out_dtype = torch.float32 if out_fp32 else a.dtype
+    if init is not None:
+        if init.dtype != torch.float32 or init.shape != (m, n):
+            raise ValueError(f"init: expected float32 {(m, n)}, got {init.dtype} {tuple(init.shape)}")
+        init = init.contiguous()
     if m == 0 or n == 0 or k == 0:
-        return torch.zeros((m, n), dtype=a.dtype, device=a.device)
+        return (init if init is not None else torch.zeros((m, n), dtype=torch.float32, device=a.device)).to(out_dtype)
     plan = _plan(a.dtype, n, k, a.get_device(), config)
     cfg = plan.config
-    c = a.new_empty((m, n), dtype=torch.float32 if plan.round_on_host else a.dtype)
+    c = a.new_empty((m, n), dtype=torch.float32 if (plan.round_on_host or out_fp32) else a.dtype)
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)  # host ceil-div (triton.cdiv is a slow jit call here)
     grid = min(plan.num_programs, tiles)
 
@@ -369,19 +407,20 @@ def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig
             a = a.new_empty((m, k)).copy_(a)
             a_layout = [m, k], [k, 1], False
         (a_shape, a_strides, a_trans), (b_shape, b_strides, b_trans) = a_layout, b_layout
+        # OUT_FP32 stores through pointers; c's descriptor is then passed but unused.
         descriptors = (
             _descriptor(a, a_shape, a_strides, plan.a_block[a_trans]),
             _descriptor(b, b_shape, b_strides, plan.b_block[b_trans]),
             _descriptor(c, [m, n], [n, 1], plan.c_block),
         )
-        _launch_tma(plan, grid, descriptors, m, n, k, a_trans, b_trans)
+        _launch_tma(plan, grid, descriptors, m, n, k, a_trans, b_trans, init, c if out_fp32 else None)
     else:
         _matmul_pointer_kernel[(grid,)](
-            a, b, c, m, n, k,
+            a, b, c, m, n, k, init,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-            *plan.constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            *plan.constexprs, init is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-    return c.to(a.dtype) if plan.round_on_host else c
+    return c.to(out_dtype) if plan.round_on_host else c
 
 
 # Registered as a torch custom op so torch.compile traces models that use it without a graph break.

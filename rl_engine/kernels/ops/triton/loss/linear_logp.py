@@ -261,6 +261,12 @@ def _matmul(a, b, c, *, accumulate=False, row_sum=None, gemm) -> None:
 
 
 def _forward(hidden, weight, bias, targets, cfg):
+    return combine(*partials(hidden, weight, bias, targets, cfg))
+
+
+def partials(hidden, weight, bias, targets, cfg):
+    """Per token and vocabulary tile: (max, sum of exp(logit - max)) [N, tiles], and the target logit [N]
+    (NaN where no tile of `weight` holds the target). Each tile's values depend on that tile alone."""
     n, h = hidden.shape
     v = weight.shape[0]
     num_vtiles = triton.cdiv(v, cfg["BLOCK_V"])
@@ -275,7 +281,13 @@ def _forward(hidden, weight, bias, targets, cfg):
         GROUP=cfg["GROUP"], EVEN_H=h % cfg["BLOCK_H"] == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dot_options(hidden.dtype),
     )
-    logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    return part_max, part_sum, target_logit
+
+
+def combine(part_max, part_sum, target_logit):
+    """(logp, lse) [N] from the partials of every vocabulary tile, folded in vocabulary order."""
+    n, num_vtiles = part_max.shape
+    logp = torch.empty(n, dtype=torch.float32, device=part_max.device)
     lse = torch.empty_like(logp)
     _combine_kernel[(n,)](
         part_max, part_sum, target_logit, logp, lse, num_vtiles,
@@ -299,13 +311,22 @@ def _dlogits(hidden, weight, bias, targets, lse, grad_out, d, v_start, v_stop, c
     )
 
 
-def _backward(hidden, weight, bias, targets, lse, grad_out, cfg, need_hidden, need_weight, need_bias):
+def hidden_grad(hidden, weight, targets, lse, grad_out, cfg, *, init=None):
+    """The fp32 hidden gradient from `weight`'s vocabulary rows, its accumulator continued from `init`
+    (the fp32 accumulator after the vocabulary rows before these, as a tensor-parallel rank gets it)."""
+    return _backward(hidden, weight, None, targets, lse, grad_out, cfg, True, False, False, init=init)[0]
+
+
+def _backward(hidden, weight, bias, targets, lse, grad_out, cfg, need_hidden, need_weight, need_bias, init=None):
     n, h = hidden.shape
     v = weight.shape[0]
     chunk = cfg["VOCAB_CHUNK"]
     dlogits = torch.empty(n, min(chunk, v), dtype=hidden.dtype, device=hidden.device)
     # fp32 accumulator across vocabulary chunks (it is the output itself for fp32 hidden).
-    grad_hidden = torch.zeros(n, h, dtype=torch.float32, device=hidden.device) if need_hidden else None
+    if init is not None:
+        grad_hidden = init
+    else:
+        grad_hidden = torch.zeros(n, h, dtype=torch.float32, device=hidden.device) if need_hidden else None
     grad_weight = torch.empty_like(weight) if need_weight else None
     grad_bias = torch.empty_like(bias) if need_bias else None
     for v_start in range(0, v, chunk):
@@ -313,7 +334,8 @@ def _backward(hidden, weight, bias, targets, lse, grad_out, cfg, need_hidden, ne
         d = dlogits[:, : v_stop - v_start]
         _dlogits(hidden, weight, bias, targets, lse, grad_out, d, v_start, v_stop, cfg)
         if need_hidden:
-            _matmul(d, weight[v_start:v_stop], grad_hidden, accumulate=v_start > 0, gemm=cfg["DH"])
+            _matmul(d, weight[v_start:v_stop], grad_hidden, accumulate=v_start > 0 or init is not None,
+                    gemm=cfg["DH"])
         if need_weight or need_bias:
             out = grad_weight[v_start:v_stop] if need_weight else torch.empty(
                 v_stop - v_start, h, dtype=hidden.dtype, device=hidden.device
