@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched H200 session: GPU tests, harness reports at Qwen3-8B shapes, benchmarks.
-# Usage (on the device machine, repo root): bash scripts/h200_session.sh STAGE...
+# Usage (on the device machine, repo root): [COMMIT=sha] bash scripts/h200_session.sh STAGE...
 # Stages: env gate pytest:FILE[,FILE] bench-<name> (benchmarks/<name>.py) bench-mhc-quick mhc tp
 # tp-multi invariance-<profile>.
 # Everything lands in $OUT/results.tgz (the device tool returns few, shallow files) plus a summary.
@@ -31,7 +31,9 @@ run_stage() {
     env)
       stage env 60 bash -c 'nvidia-smi; python3 -c "import torch, triton, numpy; print(torch.__version__, triton.__version__, numpy.__version__, torch.cuda.get_device_name())"; python3 -c "import liger_kernel; print(\"liger ok\")"' ;;
     gate)  # the GPU gate: the whole gpu-marked suite + check-op for every op at Qwen3-8B geometry
-      stage gate 540 python3 scripts/gpu_gate.py --out "$R/evidence/gate" ;;
+      # xdist workers by cores (Triton compiles are CPU-bound); COMMIT names the tree (the copy's .git is stale).
+      stage gate 540 python3 scripts/gpu_gate.py --out "$R/evidence/gate" --workers $(( $(nproc) / 3 )) \
+        ${COMMIT:+--commit "$COMMIT"} ;;
     pytest:*)  # pytest:FILE[,FILE...]: the gpu tests of those files only (a probe, never the gate)
       local files=${1#pytest:}
       stage "pytest-$(basename "${files%%,*}" .py)" 300 python3 -m pytest -o addopts= -m gpu -q --timeout 300 -p no:cacheprovider ${files//,/ } ;;
