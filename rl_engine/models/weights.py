@@ -290,13 +290,25 @@ def load_hf_config(path) -> ModelConfig:
     return config_from_hf(read_hf_config(config_file), stem or "config", source=str(config_file))
 
 
-def load_hf_checkpoint(path, config: ModelConfig, *, device="cpu", dtype=None) -> dict:
+def _read(f, name: str, shape, part, part_as: str | None = None) -> torch.Tensor:
+    """A tensor of an open safetensors file, whole or the part `part` picks (by `part_as`'s name)."""
+    whole = f.get_slice(name)
+    found = tuple(whole.get_shape())
+    if shape is not None and found != shape:
+        raise CheckpointError(f"weights_path: {name} has shape {found}, expected {shape}")
+    index = part(part_as or name, found) if part is not None else None
+    return f.get_tensor(name) if index is None else whole[index]
+
+
+def load_hf_checkpoint(path, config: ModelConfig, *, device="cpu", dtype=None, part=None) -> dict:
     """Load a checkpoint directory (config.json + *.safetensors) for `config`, after checking its config.
 
     A tensor the model does not use is refused rather than dropped (a bias would change the math),
     except the layers beyond a truncated config's depth. A tied model's file may still hold lm_head:
     transformers then ignores it, and so do we, but only when it equals the embedding bit for bit.
     The per-expert tensors are returned stacked, one [E, ...] tensor per layer and role (weight_shapes).
+    part(name, shape) -> index or None: read only that part of a tensor (a tensor-parallel rank's slice;
+    safetensors reads the slice alone), shapes checked on the whole tensor first.
     """
     from safetensors import SafetensorError, safe_open
 
@@ -321,18 +333,15 @@ def load_hf_checkpoint(path, config: ModelConfig, *, device="cpu", dtype=None) -
                         raise CheckpointError(f"{file}: tensor {name} is not part of a {config.family} model "
                                               "rl_engine computes (refused rather than dropped)")
                     if name in wanted:
-                        t = f.get_tensor(name)
+                        t = _read(f, name, wanted[name], part)
                         weights[name] = t if dtype is None else t.to(dtype)
                     elif name == names["lm_head"] and config.tie_word_embeddings:
-                        tied_head = (file, f.get_tensor(name))
+                        tied_head = (file, _read(f, name, None, part, names["embed"]))
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{file}: not a readable safetensors file ({_one_line(exc)})") from None
     missing = [n for n in wanted if n not in weights]
     if missing:
         raise CheckpointError(f"weights_path: {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    for name, shape in wanted.items():
-        if tuple(weights[name].shape) != shape:
-            raise CheckpointError(f"weights_path: {name} has shape {tuple(weights[name].shape)}, expected {shape}")
     if tied_head is not None:
         file, head = tied_head
         embed = weights[names["embed"]]

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from rl_engine.models.config import ModelConfig
 from rl_engine.models.decoder import DecoderModel
+from rl_engine.models.families import get_family
 from rl_engine.models.profiles import ProfileOps, get_profile
+from rl_engine.models.weights import checkpoint_shapes, load_hf_checkpoint
 from rl_engine.parallel.tp_kernels import (
     Ranks,
     column_parallel_matmul,
@@ -31,40 +34,66 @@ COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 
 
+def weight_part(config: ModelConfig, group=None, profile: str = "triton_bf16"):
+    """part(name, shape) -> this rank's index into a whole weight (None: replicated), for `config` split
+    over `group`; what `load_hf_checkpoint(part=)` reads and `TensorParallelDecoder` slices."""
+    if config.moe is not None:
+        raise ValueError(f"{config.name}: the tensor-parallel decoder runs dense families only")
+    ranks = Ranks(group)
+    for field in ("num_heads", "num_kv_heads", "intermediate_size"):
+        ranks.even_split(field, getattr(config, field))  # ValueError unless TP divides it
+    bounds = vocab_bounds(config.vocab_size, ranks.size, vocab_align(get_profile(profile).dtype))
+    family = get_family(config.family)
+    vocab = {family.weight_name("embed")} | ({family.weight_name("lm_head")} if "lm_head" in family.hf_names else set())
+    column, row = set(), set()
+    for i in range(config.num_layers):
+        column |= {family.weight_name(r, i) for r in COLUMN_PARALLEL + ("q_bias", "k_bias", "v_bias")
+                   if family.hf_names.get(r)}
+        row |= {family.weight_name(r, i) for r in ROW_PARALLEL}
+
+    def part(name: str, shape: tuple) -> tuple | None:
+        if ranks.size == 1:
+            return None
+        if name in vocab:
+            return (slice(bounds[ranks.rank], bounds[ranks.rank + 1]),)
+        if name in column:
+            return (ranks.even_split(name, shape[0]),)
+        if name in row:
+            return (slice(None), ranks.even_split(name, shape[1]))
+        return None
+
+    return part
+
+
+def _take(t, index):
+    return t if index is None else t[index].contiguous()
+
+
 class TensorParallelDecoder(DecoderModel):
-    """`DecoderModel(config, weights, triton_bf16)` split over `group` (None: one process, TP = 1)."""
+    """`DecoderModel(config, weights, triton_bf16)` split over `group` (None: one process, TP = 1).
+
+    weights: whole tensors (each rank keeps its slice) or this rank's slices, as `from_checkpoint` reads them.
+    """
 
     def __init__(self, config, weights: dict, group=None, ops: ProfileOps | None = None):
-        if config.moe is not None:
-            raise ValueError(f"{config.name}: the tensor-parallel decoder runs dense families only")
-        ranks = Ranks(group)
-        tp = ranks.size
-        for field in ("num_heads", "num_kv_heads", "intermediate_size"):
-            ranks.even_split(field, getattr(config, field))  # ValueError unless TP divides it
-        super().__init__(config, weights, ops or ProfileOps(get_profile("triton_bf16")))
-        self.ranks, self.group = ranks, group
-        dtype = self._weight("embed").dtype
-        bounds = vocab_bounds(config.vocab_size, tp, vocab_align(dtype))
-        self.vocab_rows = slice(bounds[ranks.rank], bounds[ranks.rank + 1])
+        ops = ops or ProfileOps(get_profile("triton_bf16"))
+        part = weight_part(config, group, ops.profile.name)
+        whole = checkpoint_shapes(config)
+        local = {n: _take(t, part(n, whole[n]) if tuple(t.shape) == whole.get(n) else None) for n, t in weights.items()}
+        super().__init__(config, local, ops)
+        self.ranks, self.group = Ranks(group), group
+        tp = self.ranks.size
         # The local config: a rank's heads (the views in _layer read num_heads and num_kv_heads).
         self.config = dataclasses.replace(config, num_heads=config.num_heads // tp,
                                           num_kv_heads=config.num_kv_heads // tp)
         self.full_config = config
-        for name in list(self.w):
-            self.w[name] = self._local(name, self.w[name])
 
-    def _local(self, name, t):
-        """This rank's slice of a full weight, as its own contiguous tensor."""
-        if name in (self.name("embed"), self.family.hf_names.get("lm_head") and self.name("lm_head")):
-            return t[self.vocab_rows].contiguous()
-        for i in range(self.full_config.num_layers):
-            for role in COLUMN_PARALLEL + ("q_bias", "k_bias", "v_bias"):
-                if self.family.hf_names.get(role) and name == self.name(role, i):
-                    return t[self.ranks.even_split(name, t.shape[0])].contiguous()
-            for role in ROW_PARALLEL:
-                if name == self.name(role, i):
-                    return t[:, self.ranks.even_split(name, t.shape[1])].contiguous()
-        return t
+    @classmethod
+    def from_checkpoint(cls, path, config, group=None, *, device="cpu", ops: ProfileOps | None = None):
+        """Each rank reads only its slices of an HF checkpoint directory (config.json + *.safetensors)."""
+        ops = ops or ProfileOps(get_profile("triton_bf16"))
+        weights = load_hf_checkpoint(path, config, device=device, part=weight_part(config, group, ops.profile.name))
+        return cls(config, weights, group, ops)
 
     def _linear(self, node, x, role, layer):
         w = self._weight(role, layer)

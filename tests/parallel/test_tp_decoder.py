@@ -74,3 +74,39 @@ def test_vocabulary_runs_fall_on_chunk_borders():
     bounds = vocab_bounds(151936, 2, 4096)  # Qwen3's vocabulary, linear_logp's GPU chunk
     assert bounds == [0, 77824, 151936] and all(b % 4096 == 0 for b in bounds[:-1])
     assert vocab_bounds(151936, 4, 4096) == [0, 36864, 77824, 114688, 151936]
+
+
+def test_ranks_read_their_slices_of_a_checkpoint_and_keep_the_bits(tmp_path, single):
+    import json
+
+    import transformers
+    from safetensors.torch import save_file
+
+    from tp_decoder_cases import checkpoint_run
+
+    hf = transformers.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                  num_attention_heads=8, num_key_value_heads=4, head_dim=16, rope_theta=1e6,
+                                  tie_word_embeddings=False, max_window_layers=1).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    save_file(synthetic_weights(CONFIG, 3), str(tmp_path / "model.safetensors"))
+    ranks = spawn_group(checkpoint_run, 2, backend="gloo", device="cpu", args=(str(tmp_path),))
+    for results in ranks:
+        assert bitwise_equal(results["decoder_3.logp"], single["decoder_3.logp"])
+        assert bitwise_equal(results["decoder_3.grad_embeds"], single["decoder_3.grad_embeds"])
+    assert ranks[0]["shape.model.layers.0.self_attn.o_proj.weight"].tolist() == [64, 64]  # K 128 / 2
+    assert ranks[1]["shape.model.embed_tokens.weight"].tolist() == [64, 64]  # vocabulary rows 64 .. 128
+
+
+def test_qwen2_and_llama_at_tp2_equal_their_single_process_models():
+    from tp_decoder_cases import families_run
+
+    from rl_engine.models.families import get_config
+
+    ranks = spawn_group(families_run, 2, backend="gloo", device="cpu")
+    for name in ("tiny-qwen2", "tiny-llama"):
+        config = get_config(name)
+        model = DecoderModel(config, synthetic_weights(config, 3), ProfileOps(get_profile("triton_bf16")))
+        single = decoder_run(model, 3)
+        for results in ranks:
+            for key in ("logp", "grad_embeds"):
+                assert bitwise_equal(results[f"{name}.{key}"], single[key]), (name, key)

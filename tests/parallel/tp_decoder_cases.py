@@ -123,3 +123,25 @@ def run_ranks(rank: int, world_size: int, device: str, tp_sizes=(1, 2, 4), confi
     finally:
         tp_kernels._continued_mm = original
     return results
+
+
+def checkpoint_run(rank: int, world_size: int, device: str, path: str, config=CONFIG) -> dict:
+    """spawn_group entry: the decoder built from this rank's slices of a checkpoint directory."""
+    group = dist.new_group(list(range(world_size)))
+    model = TensorParallelDecoder.from_checkpoint(path, config, group, device=device)
+    shapes = {n: torch.tensor(t.shape) for n, t in model.w.items()}
+    return {**{f"decoder_3.{k}": v for k, v in decoder_run(model, 3).items()}, **{f"shape.{n}": s for n, s in
+                                                                                    shapes.items()}}
+
+
+def families_run(rank: int, world_size: int, device: str, names=("tiny-qwen2", "tiny-llama")) -> dict:
+    """spawn_group entry: Qwen2.5 (q/k/v biases) and Llama 3 (rope scaling, tied head) tiny configs at TP = 2."""
+    from rl_engine.models.families import get_config
+
+    group = dist.new_group(list(range(world_size)))
+    out = {}
+    for name in names:
+        config = get_config(name)
+        model = TensorParallelDecoder(config, synthetic_weights(config, 3, device=device), group)
+        out.update({f"{name}.{k}": v for k, v in decoder_run(model, 3).items()})
+    return out
