@@ -81,7 +81,6 @@ def test_ranks_read_their_slices_of_a_checkpoint_and_keep_the_bits(tmp_path, sin
 
     import transformers
     from safetensors.torch import save_file
-
     from tp_decoder_cases import checkpoint_run
 
     hf = transformers.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
