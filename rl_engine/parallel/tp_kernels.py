@@ -6,8 +6,8 @@ It is *continued*: rank 0 runs the first part of the single GPU's reduction loop
 accumulator, unrounded, to rank 1, which starts its loop from it, and so on; the last rank rounds
 once and broadcasts. Every add is the one the single GPU makes, in its order, so the bits are the
 single GPU's at every TP size, and the single-GPU kernels keep their speed (they do not change).
-The cost is paid in the split reductions only: rank r waits for rank r - 1 (measured by
-benchmarks/tp_decoder.py).
+The cost is paid in the split reductions only: rank r waits for rank r - 1, block of rows by block
+(PIPELINE_ROWS), so the ranks overlap (measured by benchmarks/tp_decoder.py).
 
 - row-parallel (o_proj, down_proj; K split evenly in whole BLOCK_K steps): `batch_invariant_mm` over
   the rank's K slice, starting from the previous rank's accumulator (`init=`), with the whole product's
@@ -76,23 +76,39 @@ def vocab_align(dtype: torch.dtype) -> int:
     return math.lcm(cfg["BLOCK_V"], cfg["VOCAB_CHUNK"])
 
 
+# Rows per hand-off: rank r + 1 continues a block of rows while rank r computes the next one. A row's
+# result does not depend on the other rows (the kernels are batch invariant), so this changes no bit.
+PIPELINE_ROWS = 1024
+
+
 def continued(compute, ranks: Ranks, shape, device, out_dtype) -> torch.Tensor:
-    """Run a reduction split over the ranks in rank order. compute(init, last) -> this rank's part,
-    starting from init (the previous rank's fp32 accumulator, None on rank 0); fp32 unless last.
-    Every rank returns the last rank's result."""
+    """Run a reduction split over the ranks in rank order, in blocks of PIPELINE_ROWS rows.
+
+    compute(init, last, rows) -> this rank's part of rows `rows` (a slice), starting from init (the
+    previous rank's fp32 accumulator of those rows; None on rank 0); fp32 unless last. Every rank
+    returns the last rank's result.
+    """
     if ranks.group is None:
-        return compute(None, True)
-    rank, size = ranks.rank, ranks.size
-    init = None
-    if rank > 0:
-        init = torch.empty(shape, dtype=torch.float32, device=device)
-        dist.recv(init, src=ranks.global_rank(rank - 1), group=ranks.group)
-    last = rank == size - 1
-    out = compute(init, last)
-    if not last:
-        dist.send(out.contiguous(), dst=ranks.global_rank(rank + 1), group=ranks.group)
-        out = torch.empty(shape, dtype=out_dtype, device=device)
-    dist.broadcast(out, src=ranks.global_rank(size - 1), group=ranks.group)
+        return compute(None, True, slice(None))
+    rank, last = ranks.rank, ranks.rank == ranks.size - 1
+    blocks = [slice(i, min(i + PIPELINE_ROWS, shape[0])) for i in range(0, shape[0], PIPELINE_ROWS)]
+    inits, recvs, sends = [], [], []
+    if rank > 0:  # posted up front, matched in order with the previous rank's sends
+        inits = [torch.empty((b.stop - b.start, *shape[1:]), dtype=torch.float32, device=device) for b in blocks]
+        recvs = [dist.irecv(t, src=ranks.global_rank(rank - 1), group=ranks.group) for t in inits]
+    out = torch.empty(shape, dtype=out_dtype, device=device)
+    for i, rows in enumerate(blocks):
+        if recvs:
+            recvs[i].wait()
+        part = compute(inits[i] if inits else None, last, rows)
+        if last:
+            out[rows] = part
+        else:
+            part = part.contiguous()
+            sends.append((part, dist.isend(part, dst=ranks.global_rank(rank + 1), group=ranks.group)))
+    for _, work in sends:
+        work.wait()
+    dist.broadcast(out, src=ranks.global_rank(ranks.size - 1), group=ranks.group)
     return out
 
 
@@ -101,7 +117,8 @@ def _continued_mm(a: torch.Tensor, b: torch.Tensor, k_full: int, ranks: Ranks) -
     config = matmul_config(a.dtype, b.shape[1], k_full)
     if a.shape[1] % config.block_k:
         raise ValueError(f"a rank's reduction slice of {a.shape[1]} is not whole steps of {config.block_k}")
-    return continued(lambda init, last: batch_invariant_mm(a, b, config=config, init=init, out_fp32=not last),
+    return continued(lambda init, last, rows: batch_invariant_mm(a[rows], b, config=config, init=init,
+                                                                 out_fp32=not last),
                      ranks, (a.shape[0], b.shape[1]), a.device, a.dtype)
 
 
@@ -170,8 +187,8 @@ class _VocabParallelLinearLogp(torch.autograd.Function):
         cfg = ll.config(hidden.dtype)
         grad_out = grad_logp.to(torch.float32).contiguous()
 
-        def compute(init, last):
-            grad_h = ll.hidden_grad(hidden, weight, local, lse, grad_out, cfg, init=init)
+        def compute(init, last, rows):
+            grad_h = ll.hidden_grad(hidden[rows], weight, local[rows], lse[rows], grad_out[rows], cfg, init=init)
             return grad_h.to(hidden.dtype) if last else grad_h
 
         grad = continued(compute, ctx.ranks, hidden.shape, hidden.device, hidden.dtype)
