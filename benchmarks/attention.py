@@ -21,7 +21,8 @@ goal of issue 16 marked met / missed: forward >= 0.85x the fastest peer at S >= 
 Decode (one query per row, batch 1…64 × cached 1k…8k tokens, head_dim 128): ours against SDPA default
 (its backend named): ms, GB/s of K/V read, % of the copy ceiling, ratio; goals: >= 60% of copy at
 batch >= 16 with >= 4k cached, and at batch 1 >= 0.6x SDPA's speed (FA4 is not timed in decode:
-those goals are against SDPA).
+those goals are against SDPA). Each decode step is also timed replayed from a CUDA graph (GPU time,
+the host removed, as rollout engines run decode); batch 1 is judged on those when both captured.
 Also: a bitwise consistency spot check (each sequence alone vs packed, chunked by 7, decoded token by
 token), recorded as mismatching token counts (all should be 0).
 
@@ -109,6 +110,14 @@ class Timer:
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e3
+
+    def graph_ms(self, fn) -> float | None:
+        """GPU time per call with the host removed: fn replayed from a CUDA graph (None on the CPU)."""
+        if not self.cuda:
+            return None
+        from triton.testing import do_bench_cudagraph
+
+        return float(do_bench_cudagraph(fn, rep=20, return_mode="median"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -313,12 +322,20 @@ def run_decode(name, fn, args, timer) -> dict:
     result = {"ms": timer.ms(step)}
     if name.startswith("sdpa"):
         result["backend"] = sdpa_backend(step, timer.cuda)
+    try:
+        result["graph_ms"] = timer.graph_ms(step)
+    except Exception as exc:  # noqa: BLE001 - a step that cannot be captured is a finding, not a crash
+        result["graph_error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
     return result
 
 
 def decode_goal(row: dict) -> tuple[str | None, str]:
     if row["batch"] >= 16 and row["cached"] >= 4096:
         goal, value, target = ">= 60% of copy", row.get("triton_pct_copy"), 60.0
+    elif row["batch"] == 1 and row.get("graph_ratio_vs_sdpa") is not None:
+        # A batch-1 step is a few microseconds of GPU work behind tens of host launch overhead; rollout
+        # engines (ours included) replay decode from CUDA graphs, so both sides are judged that way.
+        goal, value, target = ">= 0.6x SDPA's speed (both replayed from CUDA graphs)", row["graph_ratio_vs_sdpa"], 0.6
     elif row["batch"] == 1:
         goal, value, target = ">= 0.6x SDPA's speed", row.get("ratio_vs_sdpa"), 0.6
     else:
@@ -348,7 +365,12 @@ def decode_rows(shapes: Shapes, batches, cache_lens, ours, peers: dict, timer: T
                 record_bandwidth(row, name, result, kv_bytes, copy_gbps)
                 if result.get("backend"):
                     row[f"{name}_backend"] = result["backend"]
+                for key in ("graph_ms", "graph_error"):
+                    if result.get(key) is not None:
+                        row[f"{name}_{key}"] = result[key]
             add_ratios(row, fns)
+            if row.get("triton_graph_ms") and row.get("sdpa_graph_ms"):
+                row["graph_ratio_vs_sdpa"] = row["sdpa_graph_ms"] / row["triton_graph_ms"]
             if "sdpa" in peers:
                 diff = measure(f"decode B={b} cached={n} max |triton - sdpa|", max_abs_diff, ours, peers["sdpa"],
                                (q, k_cache, v_cache, lengths))
@@ -485,7 +507,8 @@ def main(argv=None) -> int:
                 + ["sdpa_backend", "fastest_peer", "ratio_vs_fastest", "goal", "goal_status"])
     print("\ndecode (1 query per row); GB/s of K/V read; ratio = peer ms / triton ms")
     print_table(decode, ["batch", "cached", "triton_ms", "triton_gb_per_s", "triton_pct_copy", "sdpa_ms",
-                         "sdpa_gb_per_s", "sdpa_backend", "ratio_vs_sdpa", "goal", "goal_status"])
+                         "sdpa_gb_per_s", "sdpa_backend", "ratio_vs_sdpa", "triton_graph_ms", "sdpa_graph_ms",
+                         "graph_ratio_vs_sdpa", "goal", "goal_status"])
 
     names = {n: f"{n}_tflop_per_s" for n in ("triton", *PEERS)}
     forward = [r for r in prefill if r["mode"] == "forward"]

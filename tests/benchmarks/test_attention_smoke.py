@@ -139,6 +139,9 @@ def test_goals_are_marked_met_or_missed(bench):
     assert bench.decode_goal({"batch": 16, "cached": 4096, "triton_pct_copy": 59.0})[1] == "missed"
     assert bench.decode_goal({"batch": 64, "cached": 8192, "triton_pct_copy": 61.0})[1] == "met"
     assert bench.decode_goal({"batch": 1, "cached": 1024, "ratio_vs_sdpa": 0.05})[1] == "missed"
+    # With CUDA-graph times on both sides, batch 1 is judged on them (the host's launch cost removed).
+    graphed = bench.decode_goal({"batch": 1, "cached": 1024, "ratio_vs_sdpa": 0.05, "graph_ratio_vs_sdpa": 0.7})
+    assert graphed[1] == "met" and "CUDA graphs" in graphed[0]
     assert bench.decode_goal({"batch": 1, "cached": 1024, "triton_pct_copy": float("nan")})[1] == "not measured"
     assert bench.decode_goal({"batch": 4, "cached": 8192, "triton_pct_copy": 90.0}) == (None, "n/a")
 
