@@ -8,7 +8,8 @@ chunks, `tp_kernels.vocab_bounds`). Norms, RoPE, attention over a rank's heads a
 `triton_bf16` profile's ops on local tensors; the residual stream is replicated. Split reductions are
 continued rank to rank in the single GPU's order, so logprobs and input gradients have the
 single-GPU model's bits at every TP size that divides the heads (tests/parallel/test_tp_decoder.py).
-Dense families only (an MoE layer is refused); weights are frozen here (no weight gradients).
+Weight gradients are the single GPU's too, each rank holding its slices'. Dense families only (an MoE
+layer is refused).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from rl_engine.models.weights import checkpoint_shapes, load_hf_checkpoint
 from rl_engine.parallel.tp_kernels import (
     Ranks,
     column_parallel_matmul,
+    heads_gathered,
     row_parallel_matmul,
     vocab_align,
     vocab_bounds,
@@ -103,6 +105,16 @@ class TensorParallelDecoder(DecoderModel):
         if self.family.qkv_bias and role in ("q_proj", "k_proj", "v_proj"):
             y = y + self._weight(role[0] + "_bias", layer)
         return y
+
+    def _head_norm(self, node, x, role, layer):
+        # q/k RMSNorm's weight is shared by all heads: its gradient is taken over all of them.
+        def norm(full, weight):
+            b, s, h, d = full.shape
+            out = self.ops("rms_norm", node, {"eps": self.config.rms_norm_eps}, x=full.reshape(b, s * h, d),
+                           weight=weight)
+            return out.view(b, s, h, d)
+
+        return heads_gathered(norm, x, self._weight(role, layer), self.group)
 
     def embed(self, token_ids):
         return vocab_parallel_embedding(token_ids, self._weight("embed"), self.group, self.full_config.vocab_size)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rl_engine.kernels.ops.triton.embedding.embedding import embedding, embedding_backward, embedding_forward
 from rl_engine.kernels.ops.triton.linear.matmul import batch_invariant_mm, matmul_config
 from rl_engine.kernels.ops.triton.loss import linear_logp as ll
 
@@ -135,7 +136,9 @@ class _RowParallel(torch.autograd.Function):
         n = weight.shape[0]
         # The rank's columns of the whole gradient grad_y @ W, with the whole product's tiles.
         grad_x = batch_invariant_mm(grad_y, weight, config=matmul_config(grad_y.dtype, ctx.k_full, n))
-        return grad_x, None, None
+        # dW's rows K_local of x^T @ grad_y (reduced over tokens, which are not split): as on one GPU.
+        grad_w = batch_invariant_mm(x.t(), grad_y).t() if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
 
 
 class _ColumnParallel(torch.autograd.Function):
@@ -148,7 +151,13 @@ class _ColumnParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
-        return _continued_mm(grad_y.contiguous(), weight, ctx.n_full, ctx.ranks), None, None
+        grad_y = grad_y.contiguous()
+        grad_x = _continued_mm(grad_y, weight, ctx.n_full, ctx.ranks)
+        grad_w = None
+        if ctx.needs_input_grad[1]:  # the rank's output columns of x^T @ grad_y, the whole product's tiles
+            config = matmul_config(x.dtype, ctx.n_full, x.shape[0])
+            grad_w = batch_invariant_mm(x.t(), grad_y, config=config).t()
+        return grad_x, grad_w, None
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -192,7 +201,10 @@ class _VocabParallelLinearLogp(torch.autograd.Function):
             return grad_h.to(hidden.dtype) if last else grad_h
 
         grad = continued(compute, ctx.ranks, hidden.shape, hidden.device, hidden.dtype)
-        return grad, None, None, None, None, None
+        grad_w = None
+        if ctx.needs_input_grad[1]:  # the rank's vocabulary rows: reduced over all tokens, not continued
+            grad_w = ll._backward(hidden, weight, None, local, lse, grad_out, cfg, False, True, False)[1]
+        return grad, grad_w, None, None, None, None
 
 
 def _gather_tiles(p: torch.Tensor, ranks: Ranks) -> torch.Tensor:
@@ -229,19 +241,73 @@ def vocab_parallel_linear_logp(hidden: torch.Tensor, weight: torch.Tensor, targe
     return logp.reshape(target_ids.shape)
 
 
+class _VocabParallelEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, weight, start, stop, bounds, ranks):
+        mine = (ids >= start) & (ids < stop)
+        rows = embedding_forward(torch.where(mine, ids - start, 0).contiguous(), weight.contiguous())
+        parts = [torch.empty_like(rows) for _ in range(ranks.size)]
+        dist.all_gather(parts, rows, group=ranks.group)
+        owner = torch.bucketize(ids, torch.tensor(bounds[1:-1], device=ids.device), right=True)
+        ctx.save_for_backward(ids, mine)
+        ctx.start, ctx.vocab_local, ctx.dtype = start, weight.shape[0], weight.dtype
+        return torch.stack(parts).gather(0, owner[None, :, None].expand(1, *rows.shape)).squeeze(0)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ids, mine = ctx.saved_tensors
+        # This rank's rows only: its tokens, in their order, so each row sums the very same run of
+        # gradients as on one GPU (the kernel's order depends on a row's own tokens alone).
+        grad_w = embedding_backward(grad_out[mine].contiguous(), (ids[mine] - ctx.start).contiguous(),
+                                    ctx.vocab_local, ctx.dtype)
+        return None, grad_w, None, None, None, None
+
+
 def vocab_parallel_embedding(token_ids: torch.Tensor, weight: torch.Tensor, group=None,
                              vocab: int | None = None) -> torch.Tensor:
-    """Rows of the embedding whose vocabulary is split as `vocab_bounds` says (forward only)."""
+    """Rows of the embedding whose vocabulary is split as `vocab_bounds` says; differentiable in weight."""
     ranks = Ranks(group)
     if ranks.group is None:
-        return weight[token_ids]
+        return embedding(token_ids, weight)
     bounds = vocab_bounds(vocab, ranks.size, vocab_align(weight.dtype))
     start, stop = bounds[ranks.rank], bounds[ranks.rank + 1]
-    ids = token_ids.reshape(-1)
-    mine = (ids >= start) & (ids < stop)
-    rows = weight[torch.where(mine, ids - start, 0)]
-    parts = [torch.empty_like(rows) for _ in range(ranks.size)]
-    dist.all_gather(parts, rows.contiguous(), group=ranks.group)
-    owner = torch.bucketize(ids, torch.tensor(bounds[1:-1], device=ids.device), right=True)
-    out = torch.stack(parts).gather(0, owner[None, :, None].expand(1, *rows.shape)).squeeze(0)
+    out = _VocabParallelEmbedding.apply(token_ids.reshape(-1), weight, start, stop, bounds, ranks)
     return out.reshape(*token_ids.shape, weight.shape[1])
+
+
+class _HeadsGathered(torch.autograd.Function):
+    """fn over all heads, on every rank, for this rank's heads: for a weight shared by the heads (q/k
+    RMSNorm), whose gradient sums over all of them in the single GPU's order. x [..., heads_local, D]."""
+
+    @staticmethod
+    def forward(ctx, x, weight, fn, ranks):
+        full = _gather_heads(x, ranks)
+        ctx.save_for_backward(full, weight)
+        ctx.fn, ctx.ranks, ctx.local = fn, ranks, ranks.even_split("heads", full.shape[-2])
+        with torch.no_grad():
+            return fn(full, weight)[..., ctx.local, :].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad_local):
+        full, weight = ctx.saved_tensors
+        grad_full = _gather_heads(grad_local, ctx.ranks)
+        with torch.enable_grad():  # the single GPU's backward, on the same whole inputs
+            x = full.detach().requires_grad_()
+            w = weight.detach().requires_grad_(ctx.needs_input_grad[1])
+            wrt = [x, w] if ctx.needs_input_grad[1] else [x]
+            grads = torch.autograd.grad(ctx.fn(x, w), wrt, grad_full)
+        return grads[0][..., ctx.local, :], grads[1] if ctx.needs_input_grad[1] else None, None, None
+
+
+def _gather_heads(x: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(ranks.size)]
+    dist.all_gather(parts, x.contiguous(), group=ranks.group)
+    return torch.cat(parts, -2)
+
+
+def heads_gathered(fn, x: torch.Tensor, weight: torch.Tensor, group=None) -> torch.Tensor:
+    """fn(x_all_heads, weight)[this rank's heads], differentiable in x and weight with one GPU's bits."""
+    ranks = Ranks(group)
+    if ranks.group is None:
+        return fn(x, weight)
+    return _HeadsGathered.apply(x, weight, fn, ranks)

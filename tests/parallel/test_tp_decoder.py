@@ -43,6 +43,10 @@ def test_tp_model_and_ops_equal_the_single_process_model_bitwise(ranks, single, 
     assert single["decoder_3.grad_embeds"].abs().max() > 0  # the gradients are not vacuous
 
 
+def test_every_weight_gradient_slice_equals_the_single_process_model(ranks):
+    assert [r["weight_grad_mismatches_4"] for r in ranks] == [[]] * 4
+
+
 def test_a_row_has_the_same_bits_at_other_token_counts(ranks, single):
     for results in [single] + [r[tp] for r in ranks for tp in ("1", "2", "4")]:
         for key in ("logp", "grad_embeds"):

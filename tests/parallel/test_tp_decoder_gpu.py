@@ -1,5 +1,6 @@
 """The tensor-parallel decoder on NCCL at Qwen3 vocabulary and head shapes: as many ranks as the GPUs allow
-(1, 2 or 4), each TP size bitwise equal to the single-GPU `triton_bf16` DecoderModel. Needs CUDA."""
+(1, 2 or 4), each TP size bitwise equal to the single-GPU `triton_bf16` DecoderModel (logprobs, input and
+weight gradients). Needs CUDA."""
 
 from __future__ import annotations
 
@@ -28,4 +29,5 @@ def test_nccl_tp_decoder_equals_the_single_gpu_model_bitwise():
         for rank, results in enumerate(ranks):
             bad = sorted(k for k, v in single.items() if not bitwise_equal(results[tp][k], v))
             assert bad == [], (tp, rank, bad)
+            assert results[f"weight_grad_mismatches_{tp}"] == [], (tp, rank)  # against a single model on its GPU
     assert bitwise_equal(single["decoder_1.logp"], single["decoder_3.logp"][:1])

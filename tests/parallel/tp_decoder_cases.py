@@ -11,9 +11,11 @@ import torch.distributed as dist
 
 from rl_engine.kernels.ops.triton.linear.matmul import batch_invariant_mm
 from rl_engine.models.config import ModelConfig
+from rl_engine.models.decoder import DecoderModel
+from rl_engine.models.profiles import ProfileOps, get_profile
 from rl_engine.models.weights import synthetic_weights
 from rl_engine.parallel import tp_kernels
-from rl_engine.parallel.tp_decoder import TensorParallelDecoder
+from rl_engine.parallel.tp_decoder import TensorParallelDecoder, weight_part
 from rl_engine.parallel.tp_kernels import Ranks, vocab_align, vocab_bounds
 
 CONFIG = ModelConfig("tp_tiny", "qwen3", 128, 64, 128, 1, 8, 4, 16)
@@ -39,6 +41,32 @@ def decoder_run(model, rows: int) -> dict:
     logp = model.selected_logprobs(model.forward(None, positions, embeds=embeds), targets)
     (logp * grad).sum().backward()
     return {"logp": logp.detach(), "grad_embeds": embeds.grad, "embeds": embeds.detach()}
+
+
+def weight_grads(model, rows: int) -> dict:
+    """Every weight's gradient of sum(g * logp), from token ids (the embedding's gradient too)."""
+    for t in model.w.values():
+        if t.is_floating_point():
+            t.requires_grad_(True)
+    device = model.lm_head_weight.device
+    config = getattr(model, "full_config", model.config)
+    ids, targets, grad = batch(rows, config.vocab_size, device)
+    positions = torch.arange(SEQ, device=device).expand(rows, SEQ)
+    logp = model.selected_logprobs(model.forward(ids, positions), targets)
+    (logp * grad).sum().backward()
+    return {n: t.grad for n, t in model.w.items() if t.grad is not None}
+
+
+def weight_grad_mismatches(config, weights, group) -> list:
+    """The weights whose gradient slice on this rank differs from the single-process model's (bitwise)."""
+    fresh = lambda: {n: t.detach().clone() for n, t in weights.items()}  # noqa: E731 - leaves of their own
+    tp = weight_grads(TensorParallelDecoder(config, fresh(), group), 3)
+    single = weight_grads(DecoderModel(config, fresh(), ProfileOps(get_profile("triton_bf16"))), 3)
+    part = weight_part(config, group)
+    bad = [n for n, g in single.items() if n not in tp or not torch.equal(
+        tp[n], g if part(n, tuple(g.shape)) is None else g[part(n, tuple(g.shape))])]
+    assert len(single) == len(weights) and all(g.abs().max() > 0 for g in single.values()), "vacuous gradients"
+    return bad
 
 
 def _split(t: torch.Tensor, dim: int, ranks: Ranks) -> torch.Tensor:
@@ -115,6 +143,8 @@ def run_ranks(rank: int, world_size: int, device: str, tp_sizes=(1, 2, 4), confi
         for rows in (3, 1):
             res.update({f"decoder_{rows}.{k}": v for k, v in decoder_run(model, rows).items()})
         results[str(tp)] = res
+        if tp == 4 or device != "cpu":  # the most split; each check is a single model's backward too
+            results[f"weight_grad_mismatches_{tp}"] = weight_grad_mismatches(config, weights, group)
     if world_size < 2:
         return results
     original = tp_kernels._continued_mm
