@@ -35,6 +35,8 @@ roughly T*8/128 rows each (min/max are recorded per row).
   *_x_grouped_mm = impl / grouped_mm_layer (goal for triton: <= 1.2 in ms and in peak memory).
   out_max_diff / dx_max_diff: max |impl - grouped_mm_layer| of the output and the input gradient
   (bf16; a near-tie in the top-8 can route one token differently and show as a larger diff).
+  top_kernels (triton, grouped_mm_layer): the kernels taking the most time in one forward + backward
+  (torch.profiler), printed after the table: where the layer's time goes.
 
 --device cpu (hidden): toy shapes under the Triton interpreter, a wall-clock timer, no CUDA graphs,
 no peak memory: every other code path, for tests/benchmarks/test_moe_smoke.py.
@@ -427,6 +429,26 @@ def _stacked(grads: list) -> list:
 
 
 GRAD_NAMES = ("dx", "drouter", "dgate_up", "ddown")
+PROFILED = ("triton", "grouped_mm_layer")  # where a layer's forward + backward time goes, kernel by kernel
+
+
+def top_kernels(layer: Layer, x, grad_out, device: str, count: int = 12) -> list[dict]:
+    """The kernels (CUDA; on the CPU, its ops) that take the most time in one forward + backward, after a
+    warm-up call: [{"name", "ms", "calls"}], by total time. Where the layer's time goes, not a timing."""
+    from torch.profiler import ProfilerActivity, profile
+
+    xg = x.detach().requires_grad_()
+    step = lambda: torch.autograd.grad(layer.fn(xg), [xg, *layer.params], grad_out, allow_unused=True)  # noqa: E731
+    step()
+    cuda = device == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    total = (lambda e: e.device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    rows = sorted((e for e in events if total(e) > 0), key=total, reverse=True)[:count]
+    return [{"name": e.key[:80], "ms": total(e) / 1e3, "calls": e.count} for e in rows]
 
 
 def _diffs(out, grads, ref) -> dict:
@@ -438,6 +460,10 @@ def _diffs(out, grads, ref) -> dict:
         row[f"{name}_max_abs"] = r.float().abs().max().item()
         row[f"{name}_rel_l2"] = _rel_l2(value, r)
     return row
+
+
+def _top_kernels_row(layer, x, grad_out, device) -> dict:
+    return {"top": top_kernels(layer, x, grad_out, device)}
 
 
 def layer_section(s: Shapes, token_list, weights, timer: Timer, device: str, grouped_status,
@@ -464,6 +490,9 @@ def layer_section(s: Shapes, token_list, weights, timer: Timer, device: str, gro
                 continue
             row, out, grads = got
             row["backend"] = ours_backend(layer) if layer.ops is not None else layer.backend
+            if name in PROFILED:
+                kernels = measure(f"  kernels of {name}", _top_kernels_row, layer, x, grad_out, device)
+                row["top_kernels"] = kernels.get("top", kernels.get("error"))
             if ref is None:
                 ref, ref_name = (out, grads), name
             row.update(diff_reference=ref_name, **_diffs(out, grads, ref))
@@ -530,6 +559,10 @@ def main(argv=None) -> int:
 
     print_table(gemm_rows, GEMM_COLUMNS)
     print_table(layer_rows, LAYER_COLUMNS)
+    for row in layer_rows:
+        if isinstance(row.get("top_kernels"), list):
+            print(f"\ntokens={row['tokens']} {row['impl']}: where forward + backward spends its time")
+            print_table(row["top_kernels"], ["name", "ms", "calls"])
     write_json(args.out, "moe", {
         "device": device, "dtype": "bfloat16", "shapes": dataclasses.asdict(s), "tokens": list(token_list),
         "ceilings": {"gemm_8192": gemm},

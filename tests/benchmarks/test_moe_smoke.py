@@ -44,6 +44,9 @@ def test_cpu_run_writes_every_row(bench, tmp_path):
             assert _close(row, name), (impl, name, row[f"{name}_max_diff"], row[f"{name}_max_abs"])
         assert row["fwd_bwd_x_grouped_mm"] > 0
     assert "grouped_matmul->triton" in layer["triton"]["backend"]
+    for impl in bench.PROFILED:  # the kernel breakdown (the CPU's ops here)
+        top = layer[impl]["top_kernels"]
+        assert isinstance(top, list) and top and all(k["ms"] > 0 and k["calls"] > 0 for k in top), top
     assert layer["transformers"]["backend"].endswith("experts_implementation=grouped_mm")
 
 
