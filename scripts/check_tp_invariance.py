@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Tensor-parallel invariance, TP = 1, 2, 4, bit for bit: the same as `rl-engine check-tp`.
 
-    python scripts/check_tp_invariance.py --backend gloo --device cpu --world-sizes 1,2,4 --json PATH
+    TRITON_INTERPRET=1 python scripts/check_tp_invariance.py --backend gloo --device cpu --world-sizes 1,2,4 --json PATH
     python scripts/check_tp_invariance.py --backend nccl --device cuda --world-sizes 1,2,4 --preset large
 
 Exit codes: 0 passed, 1 failed, 2 usage or configuration error (one line on stderr). See docs/parallel.md.

@@ -1,17 +1,26 @@
-"""Tensor parallelism whose bits do not depend on the TP size (1, 2 or 4): see docs/parallel.md."""
+"""Tensor parallelism with one GPU's bits at every TP size: see docs/parallel.md.
+
+tp_kernels / tp_decoder: the Triton kernels' row-, column- and vocab-parallel forms and the
+tensor-parallel decoder; canonical / mhc_placements: the strict-fp32 mHC oracle's lane tree split
+over ranks; expert_parallel: MoE experts over ranks; invariance / check: the TP-invariance check.
+"""
 
 from rl_engine.parallel.canonical import CANONICAL_SHARDS, ShardLayout, gather_shards, tree_reduce, tree_sum
-from rl_engine.parallel.linear import column_parallel_linear, row_parallel_linear
-from rl_engine.parallel.vocab_parallel import vocab_parallel_linear_logp, vocab_parallel_logp
+from rl_engine.parallel.tp_kernels import (
+    column_parallel_matmul,
+    row_parallel_matmul,
+    vocab_parallel_embedding,
+    vocab_parallel_linear_logp,
+)
 
 __all__ = [
     "CANONICAL_SHARDS",
     "ShardLayout",
-    "column_parallel_linear",
+    "column_parallel_matmul",
     "gather_shards",
-    "row_parallel_linear",
+    "row_parallel_matmul",
     "tree_reduce",
     "tree_sum",
+    "vocab_parallel_embedding",
     "vocab_parallel_linear_logp",
-    "vocab_parallel_logp",
 ]

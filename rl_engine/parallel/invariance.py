@@ -1,5 +1,9 @@
 """The TP-invariance check: every parallel op, forward and backward, on TP = 1, 2, 4, compared bit for bit.
 
+The ops are the Triton kernels' tensor-parallel forms (rl_engine.parallel.tp_kernels: a split reduction
+continued rank to rank) and the tensor-parallel decoder; TP = 1 without a process group runs the
+single-GPU ops themselves. The mHC placements reduce in the strict-fp32 oracle's lane tree (canonical).
+
 `run_world_sizes` runs on each launched rank (through launch.spawn_group): it cuts the ranks into
 groups of each TP size, builds the same full inputs on every rank from a seed, gives each rank its
 slice, runs every case forward and backward, and returns the results as full tensors (sharded
@@ -16,18 +20,20 @@ import torch
 import torch.distributed as dist
 
 from rl_engine.bits import bitwise_equal
+from rl_engine.parallel import tp_kernels
 from rl_engine.parallel.canonical import ShardLayout
-from rl_engine.parallel.linear import column_parallel_linear, row_parallel_linear
-from rl_engine.parallel.vocab_parallel import vocab_parallel_linear_logp, vocab_parallel_logp
 
 
 @dataclasses.dataclass(frozen=True)
 class ProblemSizes:
+    """Every split must be whole kernel steps at TP = 4: hidden / 4 and features_out of the matmul's K
+    step (16 under the interpreter, 64 on the GPU) and the vocabulary of linear_logp's chunk (32; 4096)."""
+
     batch: int = 2
     seq: int = 3
-    hidden: int = 16
-    vocab: int = 32
-    features_out: int = 12
+    hidden: int = 64
+    vocab: int = 128
+    features_out: int = 16
     seed: int = 0
     # mHC placements: cp_token_sharded deals tokens in blocks of L/CP (L = 64 lanes), so 80 tokens give
     # every rank of CP = 4 some tokens, and rank 0 more than the others (uneven shards are exercised).
@@ -45,17 +51,13 @@ def make_inputs(sizes: ProblemSizes, device: str = "cpu") -> dict:
         return (torch.randn(*shape, generator=g) * scale).to(device)
 
     return {
-        "logits": rand(b, s, v, scale=3.0),
         "target_ids": torch.randint(0, v, (b, s), generator=g).to(device),
         "grad_logp": rand(b, s),
         "hidden": rand(b, s, h),
         "lm_head_weight": rand(v, h, scale=h**-0.5),
-        "lm_head_bias": rand(v, scale=0.1),
         "x": rand(t, h),
         "weight_column": rand(n * 4, h, scale=h**-0.5),  # column-parallel: output features split
-        "bias_column": rand(n * 4, scale=0.1),
         "weight_row": rand(n, h, scale=h**-0.5),  # row-parallel: K = hidden split
-        "bias_row": rand(n, scale=0.1),
         "weight_down": rand(n, n * 4, scale=(n * 4) ** -0.5),  # MLP: row-parallel over the column outputs
         "grad_column": rand(t, n * 4),
         "grad_row": rand(t, n),
@@ -76,74 +78,110 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().requires_grad_(True)
 
 
-def case_logp(layout, inputs) -> dict:
-    out = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        tag = "logp" if dtype == torch.float32 else "logp_bf16"
-        logits = _leaf(layout.split(inputs["logits"].to(dtype), 2))
-        logp = vocab_parallel_logp(logits, inputs["target_ids"], group=layout.group)
-        (logp * inputs["grad_logp"]).sum().backward()
-        out[f"{tag}.forward"] = logp.detach()
-        out[f"{tag}.grad_logits"] = gather_full(logits.grad, 2, layout)
-    return out
+def _rows_of(t: torch.Tensor, layout: ShardLayout, dim: int = 0) -> torch.Tensor:
+    """This rank's even slice of `t` along `dim` (its own contiguous tensor)."""
+    part = t.shape[dim] // layout.world_size
+    return t.narrow(dim, layout.rank * part, part).contiguous()
+
+
+def _vocab_rows(t: torch.Tensor, layout: ShardLayout) -> tuple[torch.Tensor, list[int]]:
+    bounds = tp_kernels.vocab_bounds(t.shape[0], layout.world_size, tp_kernels.vocab_align(t.dtype))
+    return t[bounds[layout.rank]:bounds[layout.rank + 1]].contiguous(), bounds
+
+
+def _gather_vocab(local: torch.Tensor, bounds: list[int], layout: ShardLayout) -> torch.Tensor:
+    """Every rank's vocabulary rows (uneven runs) in order, as one tensor (copies: exact)."""
+    if not layout.distributed:
+        return local
+    widest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    padded = local.new_zeros(widest, *local.shape[1:])
+    padded[: local.shape[0]] = local
+    return torch.cat([p[: b - a] for p, a, b in zip(gather_full(padded, 0, layout).split(widest), bounds,
+                                                    bounds[1:])])
+
+
+DTYPES = {"": torch.bfloat16, "_fp32": torch.float32}  # fp32: no rounding hides an order change
 
 
 def case_linear_logp(layout, inputs) -> dict:
-    hidden = _leaf(inputs["hidden"])
-    weight = _leaf(layout.split(inputs["lm_head_weight"], 0))
-    bias = _leaf(layout.split(inputs["lm_head_bias"], 0))
-    logp = vocab_parallel_linear_logp(hidden, weight, inputs["target_ids"], bias=bias, group=layout.group)
+    """The vocab-parallel linear + logp of the Triton kernels (bf16), forward and backward."""
+    hidden = _leaf(inputs["hidden"].bfloat16())
+    local, bounds = _vocab_rows(inputs["lm_head_weight"].bfloat16(), layout)
+    weight = _leaf(local)
+    vocab = inputs["lm_head_weight"].shape[0]
+    logp = tp_kernels.vocab_parallel_linear_logp(hidden, weight, inputs["target_ids"], layout.group, vocab)
     (logp * inputs["grad_logp"]).sum().backward()
     return {
         "linear_logp.forward": logp.detach(),
         "linear_logp.grad_hidden": hidden.grad,
-        "linear_logp.grad_weight": gather_full(weight.grad, 0, layout),
-        "linear_logp.grad_bias": gather_full(bias.grad, 0, layout),
+        "linear_logp.grad_weight": _gather_vocab(weight.grad, bounds, layout),
     }
 
 
 def case_column_parallel(layout, inputs) -> dict:
-    x = _leaf(inputs["x"])
-    weight = _leaf(layout.split(inputs["weight_column"], 0))
-    bias = _leaf(layout.split(inputs["bias_column"], 0))
-    y = column_parallel_linear(x, weight, bias, group=layout.group, gather_output=True)
-    (y * inputs["grad_column"]).sum().backward()
-    return {
-        "column_parallel.forward": y.detach(),
-        "column_parallel.grad_x": x.grad,
-        "column_parallel.grad_weight": gather_full(weight.grad, 0, layout),
-        "column_parallel.grad_bias": gather_full(bias.grad, 0, layout),
-    }
+    out = {}
+    for tag, dtype in DTYPES.items():
+        x = _leaf(inputs["x"].to(dtype))
+        weight = _leaf(_rows_of(inputs["weight_column"].to(dtype), layout))
+        y = tp_kernels.column_parallel_matmul(x, weight, layout.group)
+        (y.float() * _rows_of(inputs["grad_column"], layout, 1)).sum().backward()
+        out.update({f"column_parallel{tag}.forward": gather_full(y.detach(), 1, layout),
+                    f"column_parallel{tag}.grad_x": x.grad,
+                    f"column_parallel{tag}.grad_weight": gather_full(weight.grad, 0, layout)})
+    return out
 
 
 def case_row_parallel(layout, inputs) -> dict:
-    x = _leaf(layout.split(inputs["x"], 1))
-    weight = _leaf(layout.split(inputs["weight_row"], 1))
-    bias = _leaf(inputs["bias_row"])
-    y = row_parallel_linear(x, weight, bias, group=layout.group)
-    (y * inputs["grad_row"]).sum().backward()
-    return {
-        "row_parallel.forward": y.detach(),
-        "row_parallel.grad_x": gather_full(x.grad, 1, layout),
-        "row_parallel.grad_weight": gather_full(weight.grad, 1, layout),
-        "row_parallel.grad_bias": bias.grad,
-    }
+    out = {}
+    for tag, dtype in DTYPES.items():
+        x = _leaf(_rows_of(inputs["x"].to(dtype), layout, 1))
+        weight = _leaf(_rows_of(inputs["weight_row"].to(dtype), layout, 1))
+        y = tp_kernels.row_parallel_matmul(x, weight, layout.group)
+        (y.float() * inputs["grad_row"]).sum().backward()
+        out.update({f"row_parallel{tag}.forward": y.detach(),
+                    f"row_parallel{tag}.grad_x": gather_full(x.grad, 1, layout),
+                    f"row_parallel{tag}.grad_weight": gather_full(weight.grad, 1, layout)})
+    return out
 
 
 def case_parallel_mlp(layout, inputs) -> dict:
-    """Column-parallel (output stays sharded) into row-parallel: the Megatron MLP pattern."""
-    x = _leaf(inputs["x"])
-    w_up = _leaf(layout.split(inputs["weight_column"], 0))
-    w_down = _leaf(layout.split(inputs["weight_down"], 1))
-    h = torch.relu(column_parallel_linear(x, w_up, group=layout.group))
-    y = row_parallel_linear(h, w_down, group=layout.group)
-    (y * inputs["grad_row"]).sum().backward()
+    """Column-parallel (output stays sharded) into row-parallel: the Megatron MLP pattern (bf16)."""
+    x = _leaf(inputs["x"].bfloat16())
+    w_up = _leaf(_rows_of(inputs["weight_column"].bfloat16(), layout))
+    w_down = _leaf(_rows_of(inputs["weight_down"].bfloat16(), layout, 1))
+    h = torch.relu(tp_kernels.column_parallel_matmul(x, w_up, layout.group))
+    y = tp_kernels.row_parallel_matmul(h, w_down, layout.group)
+    (y.float() * inputs["grad_row"]).sum().backward()
     return {
         "parallel_mlp.forward": y.detach(),
         "parallel_mlp.grad_x": x.grad,
         "parallel_mlp.grad_w_up": gather_full(w_up.grad, 0, layout),
         "parallel_mlp.grad_w_down": gather_full(w_down.grad, 1, layout),
     }
+
+
+def decoder_config(sizes: ProblemSizes):
+    """A one-layer Qwen3 at the problem's width: 8 query and 4 key/value heads of hidden/4 lanes."""
+    from rl_engine.models.config import ModelConfig
+
+    return ModelConfig("tp_check", "qwen3", sizes.vocab, sizes.hidden, 4 * sizes.features_out, 1, 8, 4,
+                       sizes.hidden // 4)
+
+
+def case_decoder(layout, inputs) -> dict:
+    """The tensor-parallel decoder (triton_bf16): selected logprobs and their input-embedding gradient."""
+    from rl_engine.models.weights import synthetic_weights
+    from rl_engine.parallel.tp_decoder import TensorParallelDecoder
+
+    sizes, device = inputs["sizes"], inputs["device"]
+    config = decoder_config(sizes)
+    model = TensorParallelDecoder(config, synthetic_weights(config, sizes.seed, device=device), layout.group)
+    ids, targets = inputs["target_ids"], inputs["target_ids"].roll(-1, 1)
+    embeds = model.embed(ids).detach().requires_grad_()
+    positions = torch.arange(sizes.seq, device=ids.device).expand(sizes.batch, sizes.seq)
+    logp = model.selected_logprobs(model.forward(None, positions, embeds=embeds), targets)
+    (logp * inputs["grad_logp"]).sum().backward()
+    return {"decoder.logp": logp.detach(), "decoder.grad_embeds": embeds.grad}
 
 
 def mhc_cases(sizes: ProblemSizes) -> tuple:
@@ -191,7 +229,7 @@ def case_mhc_cp_token_sharded(layout, inputs) -> dict:
     return out
 
 
-CASES = (case_logp, case_linear_logp, case_column_parallel, case_row_parallel, case_parallel_mlp,
+CASES = (case_linear_logp, case_column_parallel, case_row_parallel, case_parallel_mlp, case_decoder,
          case_mhc_tp_sharded, case_mhc_cp_token_sharded)
 
 
@@ -255,33 +293,6 @@ def compare_runs(runs: dict) -> dict:
     passed = all(v["bitwise_equal_to_tp1"] and v["ranks_agree"] for per_tp in verdicts.values()
                  for v in per_tp.values())
     return {"passed": passed, "results": verdicts}
-
-
-def gold_comparison(sizes: ProblemSizes, tp1: dict, device: str = "cpu") -> dict:
-    """How far the canonical path lies from the plain gold ops (one logsumexp over V) on `device`:
-    fp32 rounding (a different summation order), not bitwise."""
-    from rl_engine.kernels.ops.pytorch.loss.linear_logp import NativeLinearLogpOp
-    from rl_engine.kernels.ops.pytorch.loss.logp import NativeLogpOp
-
-    inputs = make_inputs(sizes, device)
-    gold = {
-        "logp.forward": NativeLogpOp()(logits=inputs["logits"], target_ids=inputs["target_ids"]),
-        "linear_logp.forward": NativeLinearLogpOp()(
-            hidden=inputs["hidden"], lm_head_weight=inputs["lm_head_weight"],
-            target_ids=inputs["target_ids"], bias=inputs["lm_head_bias"],
-        ),
-    }
-    out = {}
-    for name, ref in gold.items():
-        if name not in tp1:
-            continue
-        ours, ref = tp1[name].cpu(), ref.cpu()
-        out[name] = {
-            "bitwise_equal": bitwise_equal(ours, ref),
-            "max_abs_diff": max_abs_diff(ours, ref),
-            "max_rel_diff": float(((ours.double() - ref.double()).abs() / ref.double().abs().clamp_min(1e-30)).max()),
-        }
-    return out
 
 
 def oracle_comparison(sizes: ProblemSizes, tp1: dict) -> dict:

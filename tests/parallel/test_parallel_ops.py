@@ -1,4 +1,4 @@
-"""The parallel ops on one process (TP = 1, no process group): correctness, input errors, the checker."""
+"""The parallel ops on one process (TP = 1, no process group): the single-GPU ops, the mHC lane groups, the checker."""
 
 from __future__ import annotations
 
@@ -7,16 +7,15 @@ import torch
 
 from rl_engine.mhc.contract import LayerContract
 from rl_engine.mhc.numerics import lane_sum
-from rl_engine.parallel import (
-    ShardLayout,
-    column_parallel_linear,
-    row_parallel_linear,
-    tree_reduce,
-    vocab_parallel_linear_logp,
-    vocab_parallel_logp,
-)
+from rl_engine.parallel import ShardLayout, tree_reduce
 from rl_engine.parallel.invariance import compare_runs
 from rl_engine.parallel.mhc_placements import cp_token_sharded_site, sharded_lane_sum
+from rl_engine.parallel.tp_kernels import (
+    column_parallel_matmul,
+    row_parallel_matmul,
+    vocab_parallel_embedding,
+    vocab_parallel_linear_logp,
+)
 
 gen = torch.Generator().manual_seed(0)
 
@@ -25,61 +24,31 @@ def rand(*shape, dtype=torch.float64):
     return torch.randn(*shape, generator=gen, dtype=dtype)
 
 
-def test_logp_forward_and_backward_match_float64_autograd():
-    logits, targets, g = rand(2, 3, 16), torch.randint(0, 16, (2, 3), generator=gen), rand(2, 3)
-    ours = logits.float().requires_grad_()
-    (vocab_parallel_logp(ours, targets) * g.float()).sum().backward()
-    ref = logits.clone().requires_grad_()
-    logp = ref.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
-    (logp * g).sum().backward()
-    torch.testing.assert_close(vocab_parallel_logp(logits.float(), targets).double(), logp, atol=1e-5, rtol=0)
-    torch.testing.assert_close(ours.grad.double(), ref.grad, atol=1e-5, rtol=0)
+def test_without_a_process_group_the_parallel_ops_are_the_single_gpu_ops():
+    from rl_engine.kernels.ops.triton.linear.matmul import batch_invariant_mm
+    from rl_engine.kernels.ops.triton.loss.linear_logp import linear_logp
+
+    x, w = rand(5, 32, dtype=torch.float32).bfloat16(), (rand(16, 32, dtype=torch.float32) / 6).bfloat16()
+    assert torch.equal(row_parallel_matmul(x, w), batch_invariant_mm(x, w.t()))
+    assert torch.equal(column_parallel_matmul(x, w), batch_invariant_mm(x, w.t()))
+    h, targets = x[None], torch.randint(0, 16, (1, 5), generator=gen)
+    assert torch.equal(vocab_parallel_linear_logp(h, w, targets), linear_logp(h, w, targets))
+    assert torch.equal(vocab_parallel_embedding(targets, w), w[targets])
 
 
-def test_linear_logp_forward_and_backward_match_float64_autograd():
-    h, w, b = rand(2, 3, 8), rand(16, 8) / 3, rand(16) / 10
-    targets, g = torch.randint(0, 16, (2, 3), generator=gen), rand(2, 3)
-    ours = [t.float().requires_grad_() for t in (h, w, b)]
-    (vocab_parallel_linear_logp(ours[0], ours[1], targets, bias=ours[2]) * g.float()).sum().backward()
-    ref = [t.clone().requires_grad_() for t in (h, w, b)]
-    logp = (ref[0] @ ref[1].t() + ref[2]).log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
+def test_linear_logp_continued_over_vocabulary_runs_matches_float64_autograd():
+    h, w = rand(1, 5, 32), rand(64, 32) / 6
+    targets, g = torch.randint(0, 64, (1, 5), generator=gen), rand(1, 5)
+    ours = [t.float().requires_grad_() for t in (h, w)]
+    (vocab_parallel_linear_logp(ours[0], ours[1], targets) * g.float()).sum().backward()
+    ref = [t.clone().requires_grad_() for t in (h, w)]
+    logp = (ref[0] @ ref[1].t()).log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
     (logp * g).sum().backward()
     for a, r in zip(ours, ref):
         torch.testing.assert_close(a.grad.double(), r.grad, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["column", "row"])
-def test_linear_layers_match_float64_autograd(kind):
-    x, w, b, g = rand(5, 8), rand(12, 8) / 3, rand(12), rand(5, 12)
-    ours = [t.float().requires_grad_() for t in (x, w, b)]
-    layer = column_parallel_linear if kind == "column" else row_parallel_linear
-    y = layer(*ours)
-    (y * g.float()).sum().backward()
-    ref = [t.clone().requires_grad_() for t in (x, w, b)]
-    ((ref[0] @ ref[1].t() + ref[2]) * g).sum().backward()
-    torch.testing.assert_close(y.double(), x @ w.t() + b, atol=1e-5, rtol=0)
-    for a, r in zip(ours, ref):
-        torch.testing.assert_close(a.grad.double(), r.grad, atol=1e-5, rtol=0)
-
-
-def test_bf16_logits_give_fp32_logp_and_bf16_gradient():
-    logits = rand(1, 2, 8, dtype=torch.float32).bfloat16().requires_grad_()
-    logp = vocab_parallel_logp(logits, torch.tensor([[1, 7]]))
-    logp.sum().backward()
-    assert logp.dtype == torch.float32 and logits.grad.dtype == torch.bfloat16
-
-
-def test_bad_inputs_raise_value_errors_naming_the_input():
-    with pytest.raises(ValueError, match="logits: .*divisible by the 4 canonical"):
-        vocab_parallel_logp(torch.zeros(1, 2, 30), torch.zeros(1, 2, dtype=torch.long))
-    with pytest.raises(ValueError, match="target_ids"):
-        vocab_parallel_logp(torch.zeros(1, 2, 32), torch.full((1, 2), 32))
-    with pytest.raises(ValueError, match="lm_head_weight"):
-        vocab_parallel_linear_logp(torch.zeros(1, 2, 8), torch.zeros(30, 8), torch.zeros(1, 2, dtype=torch.long))
-    with pytest.raises(ValueError, match="weight: .*K_local"):
-        row_parallel_linear(torch.zeros(3, 6), torch.zeros(4, 6))
-    with pytest.raises(ValueError, match="weight"):
-        column_parallel_linear(torch.zeros(3, 8), torch.zeros(4, 7))
+def test_tree_reduce_needs_a_power_of_two():
     with pytest.raises(ValueError, match="power-of-two"):
         tree_reduce([1, 2, 3], lambda a, b: a + b)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl_engine.parallel.invariance import ProblemSizes, compare_runs, oracle_comparison, run_world_sizes, runs_by_tp
+from rl_engine.parallel.check import PRESETS
+from rl_engine.parallel.invariance import compare_runs, oracle_comparison, run_world_sizes, runs_by_tp
 from rl_engine.parallel.launch import spawn_group
 
 
@@ -14,7 +15,7 @@ def test_nccl_ranks_give_the_same_bits_for_every_tp_size():
     gpus = torch.cuda.device_count()
     launch = 4 if gpus >= 4 else 2 if gpus >= 2 else 1
     tp_sizes = tuple(s for s in (1, 2, 4) if s <= launch)
-    sizes = ProblemSizes()
+    sizes = PRESETS["gpu"]  # the GPU's tiles: every split whole steps at TP = 4
     runs = runs_by_tp(spawn_group(run_world_sizes, launch, backend="nccl", device="cuda", args=(sizes, tp_sizes)))
     report = compare_runs(runs)
     assert report["passed"], [n for n, v in report["results"].items() if not all(
