@@ -20,9 +20,10 @@ models built once and kept: ~4 GB of weights for the engine's two profiles, ~4 G
   hf_dynamic    generate() with the default dynamic cache, eager
 Per cell: prefill (prompt in -> first token out), decode steps (the other new_tokens - 1), tokens/s
 during decode (B / mean step), end-to-end tokens/s, peak memory, and, for the engine, where a decode
-step's wall time goes (EngineStats, each synchronised: forward incl. page tables and the page gather,
-sample incl. lm_head and the per-row sampler, logprobs; other = scheduling and bookkeeping outside
-them). The engine computes fp32 logprobs of every token (two vocab-wide products per step);
+step's wall time goes (EngineStats: GPU time between CUDA events around each phase, the engine never
+waiting to time one: forward incl. page tables and the page gather, sample incl. lm_head and the
+per-row sampler, logprobs; other = the rest of the step's wall time, in which the GPU waits for the
+host's scheduling and bookkeeping). The engine computes fp32 logprobs of every token (two vocab-wide products per step);
 transformers' greedy `generate` returns none. cell_s: the whole cell's wall time, warm-up included.
 Launch overhead: the last few decode steps run under torch.profiler; GPU time per step = the sum of
 the kernel (and copy) durations it recorded; overhead = 1 - GPU time / wall time of an unprofiled

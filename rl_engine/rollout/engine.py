@@ -73,7 +73,24 @@ class EngineStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     max_running: int = 0
-    seconds: dict = field(default_factory=lambda: {"forward": 0.0, "sample": 0.0, "logprobs": 0.0})
+    _totals: dict = field(default_factory=lambda: {"forward": 0.0, "sample": 0.0, "logprobs": 0.0})
+    _pending: list = field(default_factory=list)  # (phase, start, end) CUDA events not yet read
+
+    def add(self, phase: str, start, end) -> None:
+        if isinstance(start, float):
+            self._totals[phase] += end - start
+        else:
+            self._pending.append((phase, start, end))
+
+    @property
+    def seconds(self) -> dict:
+        """Time per phase: on a GPU the GPU time between CUDA events, read here (which waits for them;
+        the generation loop itself never waits to time a phase); on the CPU, wall time."""
+        for phase, start, end in self._pending:
+            end.synchronize()
+            self._totals[phase] += start.elapsed_time(end) / 1e3
+        self._pending.clear()
+        return dict(self._totals)
 
 
 class RolloutEngine:
@@ -171,14 +188,13 @@ class RolloutEngine:
 
     def _forward(self, group, graph: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden [n,Sq,H] of the group, and its logits [n,V] when a decode graph computed them."""
-        t0 = time.perf_counter()
+        t0 = self._mark()
         starts = [s.cached for s, _ in group]
         if graph:
             hidden, logits = self.graphs.forward([s.request.request_id for s, _ in group], [w[0] for _, w in group],
                                                  starts)
             self.stats.forwards += 1
-            self._sync()
-            self.stats.seconds["forward"] += time.perf_counter() - t0
+            self.stats.add("forward", t0, self._mark())
             return hidden, logits
         tokens = torch.tensor([w for _, w in group], dtype=torch.int64, device=self.device)
         sq = tokens.shape[1]
@@ -188,21 +204,19 @@ class RolloutEngine:
         self.cache.bind([s.request.request_id for s, _ in group])
         hidden = self.model.forward_cached(tokens, positions, self.cache, seqlens)
         self.stats.forwards += 1
-        self._sync()
-        self.stats.seconds["forward"] += time.perf_counter() - t0
+        self.stats.add("forward", t0, self._mark())
         return hidden, None
 
     def _sample(self, hidden: torch.Tensor, owners: list[_Running], logits: torch.Tensor | None = None) -> None:
         """hidden [n,1,H]: the last row of each owner; draws its next token and records its logprobs."""
-        t0 = time.perf_counter()
+        t0 = self._mark()
         from_graph = logits is not None
         if not from_graph:
             logits = self.model.logits(hidden)[:, 0]
         params = [s.request.params for s in owners]
         positions = [len(s.request.prompt_ids) + len(s.tokens) for s in owners]
         tokens = sample(logits, params, [s.request.request_id for s in owners], positions)
-        self._sync()
-        t1 = time.perf_counter()
+        t1 = self._mark()
         targets = tokens[:, None]
         if from_graph:
             raw = self.graphs.raw_logprobs(tokens)
@@ -212,16 +226,22 @@ class RolloutEngine:
         for temperature in sorted({p.temperature for p in params if not p.greedy}):
             rows = torch.tensor([i for i, p in enumerate(params) if p.temperature == temperature], device=self.device)
             tempered[rows] = tempered_logprobs(self.model, hidden[rows], targets[rows], temperature)[:, 0]
+        t2 = self._mark()
+        # The step's one wait for the GPU: the host needs the tokens (the next step's inputs, stop checks).
         for seq, token, lp, rp in zip(owners, tokens.tolist(), tempered.cpu(), raw.cpu()):
             seq.tokens.append(token)
             seq.logprobs.append(lp)
             seq.raw.append(rp)
-        self.stats.seconds["sample"] += t1 - t0
-        self.stats.seconds["logprobs"] += time.perf_counter() - t1
+        self.stats.add("sample", t0, t1)
+        self.stats.add("logprobs", t1, t2)
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def _mark(self):
+        """A point to time from: a CUDA event recorded on the stream (no wait), or the wall clock on the CPU."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     @staticmethod
     def _finished(seq: _Running) -> bool:

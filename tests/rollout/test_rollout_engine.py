@@ -53,3 +53,28 @@ def test_bad_requests_are_one_line_errors(micro_model, reqs, match):
     engine = RolloutEngine(micro_model("reference_fp32"), page_size=4, num_pages=16)
     with pytest.raises(ValueError, match=match):
         engine.generate(reqs)
+
+
+class _FakeEvent:
+    """Stands in for a CUDA event: a time in ms, and whether the host waited for it."""
+
+    def __init__(self, ms):
+        self.ms, self.waited = ms, False
+
+    def synchronize(self):
+        self.waited = True
+
+    def elapsed_time(self, end):
+        return end.ms - self.ms
+
+
+def test_phase_times_from_events_are_read_only_when_asked():
+    from rl_engine.rollout.engine import EngineStats
+
+    stats = EngineStats()
+    start, end = _FakeEvent(1.0), _FakeEvent(3.5)
+    stats.add("forward", start, end)
+    stats.add("sample", 0.25, 0.75)  # the CPU's wall clock
+    assert not end.waited  # adding never waits for the GPU
+    assert stats.seconds == {"forward": 0.0025, "sample": 0.5, "logprobs": 0.0} and end.waited
+    assert stats.seconds["forward"] == 0.0025  # read once, not added twice
