@@ -3,24 +3,9 @@
 tp_kernels / tp_decoder: the Triton kernels' row-, column- and vocab-parallel forms and the
 tensor-parallel decoder; canonical / mhc_placements: the strict-fp32 mHC oracle's lane tree split
 over ranks; expert_parallel: MoE experts over ranks; invariance / check: the TP-invariance check.
+Importing this package imports no kernel (the CLI imports it to build its parser).
 """
 
 from rl_engine.parallel.canonical import CANONICAL_SHARDS, ShardLayout, gather_shards, tree_reduce, tree_sum
-from rl_engine.parallel.tp_kernels import (
-    column_parallel_matmul,
-    row_parallel_matmul,
-    vocab_parallel_embedding,
-    vocab_parallel_linear_logp,
-)
 
-__all__ = [
-    "CANONICAL_SHARDS",
-    "ShardLayout",
-    "column_parallel_matmul",
-    "gather_shards",
-    "row_parallel_matmul",
-    "tree_reduce",
-    "tree_sum",
-    "vocab_parallel_embedding",
-    "vocab_parallel_linear_logp",
-]
+__all__ = ["CANONICAL_SHARDS", "ShardLayout", "gather_shards", "tree_reduce", "tree_sum"]

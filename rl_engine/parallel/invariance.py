@@ -3,6 +3,8 @@
 The ops are the Triton kernels' tensor-parallel forms (rl_engine.parallel.tp_kernels: a split reduction
 continued rank to rank) and the tensor-parallel decoder; TP = 1 without a process group runs the
 single-GPU ops themselves. The mHC placements reduce in the strict-fp32 oracle's lane tree (canonical).
+The kernels are imported inside the cases: the CLI imports this module to build its parser, and a
+kernel import can refuse (Triton's interpreter with a numpy it cannot run) with its own one-line error.
 
 `run_world_sizes` runs on each launched rank (through launch.spawn_group): it cuts the ranks into
 groups of each TP size, builds the same full inputs on every rank from a seed, gives each rank its
@@ -20,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from rl_engine.bits import bitwise_equal
-from rl_engine.parallel import tp_kernels
 from rl_engine.parallel.canonical import ShardLayout
 
 
@@ -85,6 +86,8 @@ def _rows_of(t: torch.Tensor, layout: ShardLayout, dim: int = 0) -> torch.Tensor
 
 
 def _vocab_rows(t: torch.Tensor, layout: ShardLayout) -> tuple[torch.Tensor, list[int]]:
+    from rl_engine.parallel import tp_kernels
+
     bounds = tp_kernels.vocab_bounds(t.shape[0], layout.world_size, tp_kernels.vocab_align(t.dtype))
     return t[bounds[layout.rank]:bounds[layout.rank + 1]].contiguous(), bounds
 
@@ -105,6 +108,8 @@ DTYPES = {"": torch.bfloat16, "_fp32": torch.float32}  # fp32: no rounding hides
 
 def case_linear_logp(layout, inputs) -> dict:
     """The vocab-parallel linear + logp of the Triton kernels (bf16), forward and backward."""
+    from rl_engine.parallel import tp_kernels
+
     hidden = _leaf(inputs["hidden"].bfloat16())
     local, bounds = _vocab_rows(inputs["lm_head_weight"].bfloat16(), layout)
     weight = _leaf(local)
@@ -119,6 +124,8 @@ def case_linear_logp(layout, inputs) -> dict:
 
 
 def case_column_parallel(layout, inputs) -> dict:
+    from rl_engine.parallel import tp_kernels
+
     out = {}
     for tag, dtype in DTYPES.items():
         x = _leaf(inputs["x"].to(dtype))
@@ -132,6 +139,8 @@ def case_column_parallel(layout, inputs) -> dict:
 
 
 def case_row_parallel(layout, inputs) -> dict:
+    from rl_engine.parallel import tp_kernels
+
     out = {}
     for tag, dtype in DTYPES.items():
         x = _leaf(_rows_of(inputs["x"].to(dtype), layout, 1))
@@ -146,6 +155,8 @@ def case_row_parallel(layout, inputs) -> dict:
 
 def case_parallel_mlp(layout, inputs) -> dict:
     """Column-parallel (output stays sharded) into row-parallel: the Megatron MLP pattern (bf16)."""
+    from rl_engine.parallel import tp_kernels
+
     x = _leaf(inputs["x"].bfloat16())
     w_up = _leaf(_rows_of(inputs["weight_column"].bfloat16(), layout))
     w_down = _leaf(_rows_of(inputs["weight_down"].bfloat16(), layout, 1))
