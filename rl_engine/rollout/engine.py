@@ -79,8 +79,15 @@ class EngineStats:
     def add(self, phase: str, start, end) -> None:
         if isinstance(start, float):
             self._totals[phase] += end - start
-        else:
-            self._pending.append((phase, start, end))
+            return
+        self._pending.append((phase, start, end))
+        # Events complete in stream order: fold the finished ones (query() never waits), so the list
+        # stays a few steps long even when nobody reads the stats.
+        while self._pending and self._pending[0][2].query():
+            self._fold(*self._pending.pop(0))
+
+    def _fold(self, phase: str, start, end) -> None:
+        self._totals[phase] += start.elapsed_time(end) / 1e3
 
     @property
     def seconds(self) -> dict:
@@ -88,7 +95,7 @@ class EngineStats:
         the generation loop itself never waits to time a phase); on the CPU, wall time."""
         for phase, start, end in self._pending:
             end.synchronize()
-            self._totals[phase] += start.elapsed_time(end) / 1e3
+            self._fold(phase, start, end)
         self._pending.clear()
         return dict(self._totals)
 

@@ -58,11 +58,14 @@ def test_bad_requests_are_one_line_errors(micro_model, reqs, match):
 class _FakeEvent:
     """Stands in for a CUDA event: a time in ms, and whether the host waited for it."""
 
-    def __init__(self, ms):
-        self.ms, self.waited = ms, False
+    def __init__(self, ms, done=False):
+        self.ms, self.waited, self.done = ms, False, done
 
     def synchronize(self):
         self.waited = True
+
+    def query(self):
+        return self.done
 
     def elapsed_time(self, end):
         return end.ms - self.ms
@@ -78,3 +81,5 @@ def test_phase_times_from_events_are_read_only_when_asked():
     assert not end.waited  # adding never waits for the GPU
     assert stats.seconds == {"forward": 0.0025, "sample": 0.5, "logprobs": 0.0} and end.waited
     assert stats.seconds["forward"] == 0.0025  # read once, not added twice
+    stats.add("logprobs", _FakeEvent(0.0), _FakeEvent(2.0, done=True))  # finished: folded at once
+    assert stats._pending == [] and stats.seconds["logprobs"] == 0.002
