@@ -8,47 +8,62 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from tp_decoder_cases import CONFIG, decoder_run, op_run, run_ranks
+from tp_decoder_cases import CONFIG, decoder_run, op_run, run_ranks, single_run, tp_run, weight_grad_mismatches
 
 from rl_engine.bits import bitwise_equal
 from rl_engine.models.decoder import DecoderModel
 from rl_engine.models.profiles import ProfileOps, get_profile
 from rl_engine.models.weights import synthetic_weights
 from rl_engine.parallel.launch import spawn_group
+from rl_engine.parallel.tp_decoder import TensorParallelDecoder
 from rl_engine.parallel.tp_kernels import Ranks, vocab_bounds
 
 
 @pytest.fixture(scope="module")
 def ranks():
-    return spawn_group(run_ranks, 4, backend="gloo", device="cpu")
+    """Rank results per TP size: TP = 2 from its first group only (the second repeats it)."""
+    return spawn_group(run_ranks, 4, backend="gloo", device="cpu", args=((2, 4),))
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    """The TP class on one process (group None): what TP = 1 runs."""
+    return {**op_run(None), **tp_run(CONFIG, synthetic_weights(CONFIG, 3), None)}
 
 
 @pytest.fixture(scope="module")
 def single():
-    """The single-process model of the `triton_bf16` profile (not the TP class), and the ops without a group."""
-    model = DecoderModel(CONFIG, synthetic_weights(CONFIG, 3), ProfileOps(get_profile("triton_bf16")))
-    out = {f"decoder_{rows}.{k}": v for rows in (3, 1) for k, v in decoder_run(model, rows).items()}
-    out.update(op_run(None))
-    return out
+    """The single-process model of the `triton_bf16` profile (not the TP class), and the ops without a group;
+    its weight gradients under "weight_grads"."""
+    out, grads = single_run(CONFIG, synthetic_weights(CONFIG, 3))
+    return {**out, **op_run(None), "weight_grads": grads}
+
+
+def _runs(ranks, tp1, tp: str) -> list:
+    return [tp1] if tp == "1" else [r[tp] for r in ranks if tp in r]
 
 
 def _mismatches(results: dict, reference: dict) -> list:
-    return sorted(k for k, v in reference.items() if not bitwise_equal(results[k], v))
+    return sorted(k for k, v in reference.items() if k != "weight_grads" and not bitwise_equal(results[k], v))
 
 
 @pytest.mark.parametrize("tp", ["1", "2", "4"])
-def test_tp_model_and_ops_equal_the_single_process_model_bitwise(ranks, single, tp):
-    for rank, results in enumerate(ranks):
-        assert _mismatches(results[tp], single) == [], (tp, rank)
+def test_tp_model_and_ops_equal_the_single_process_model_bitwise(ranks, tp1, single, tp):
+    runs = _runs(ranks, tp1, tp)
+    assert len(runs) == int(tp)
+    for rank, results in enumerate(runs):
+        assert _mismatches(results, single) == [], (tp, rank)
     assert single["decoder_3.grad_embeds"].abs().max() > 0  # the gradients are not vacuous
 
 
-def test_every_weight_gradient_slice_equals_the_single_process_model(ranks):
-    assert [r["weight_grad_mismatches_4"] for r in ranks] == [[]] * 4
+@pytest.mark.parametrize("tp", ["1", "2", "4"])
+def test_every_weight_gradient_slice_equals_the_single_process_model(ranks, tp1, single, tp):
+    runs = _runs(ranks, tp1, tp)
+    assert [weight_grad_mismatches(r["weight_grads"], single["weight_grads"]) for r in runs] == [[]] * int(tp)
 
 
-def test_a_row_has_the_same_bits_at_other_token_counts(ranks, single):
-    for results in [single] + [r[tp] for r in ranks for tp in ("1", "2", "4")]:
+def test_a_row_has_the_same_bits_at_other_token_counts(ranks, tp1, single):
+    for results in [single] + [run for tp in ("1", "2", "4") for run in _runs(ranks, tp1, tp)]:
         for key in ("logp", "grad_embeds"):
             assert bitwise_equal(results[f"decoder_1.{key}"], results[f"decoder_3.{key}"][:1]), key
 
@@ -88,7 +103,7 @@ def test_ranks_read_their_slices_of_a_checkpoint_and_keep_the_bits(tmp_path, sin
     from tp_decoder_cases import checkpoint_run
 
     hf = transformers.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                  num_attention_heads=8, num_key_value_heads=4, head_dim=16, rope_theta=1e6,
+                                  num_attention_heads=4, num_key_value_heads=4, head_dim=16, rope_theta=1e6,
                                   tie_word_embeddings=False, max_window_layers=1).to_dict()
     (tmp_path / "config.json").write_text(json.dumps(hf))
     save_file(synthetic_weights(CONFIG, 3), str(tmp_path / "model.safetensors"))
@@ -96,7 +111,7 @@ def test_ranks_read_their_slices_of_a_checkpoint_and_keep_the_bits(tmp_path, sin
     for results in ranks:
         assert bitwise_equal(results["decoder_3.logp"], single["decoder_3.logp"])
         assert bitwise_equal(results["decoder_3.grad_embeds"], single["decoder_3.grad_embeds"])
-    assert ranks[0]["shape.model.layers.0.self_attn.o_proj.weight"].tolist() == [64, 64]  # K 128 / 2
+    assert ranks[0]["shape.model.layers.0.self_attn.o_proj.weight"].tolist() == [64, 32]  # K 64 / 2
     assert ranks[1]["shape.model.embed_tokens.weight"].tolist() == [64, 64]  # vocabulary rows 64 .. 128
 
 

@@ -1,7 +1,7 @@
 """What the ranks run for tests/parallel/test_tp_decoder.py (spawned ranks import this module by name).
 
 Tiny dense Qwen3 shapes under the Triton interpreter (BLOCK_K 16, linear_logp's chunk 32): every split
-reduction holds whole K steps at TP = 4 (o_proj K 128, down_proj K 128, k/v output rows 64).
+reduction holds whole K steps at TP = 4 (o_proj K 64, down_proj K 128, q/k/v output rows 64).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from rl_engine.parallel import tp_kernels
 from rl_engine.parallel.tp_decoder import TensorParallelDecoder, weight_part
 from rl_engine.parallel.tp_kernels import Ranks, vocab_align, vocab_bounds
 
-CONFIG = ModelConfig("tp_tiny", "qwen3", 128, 64, 128, 1, 8, 4, 16)
+CONFIG = ModelConfig("tp_tiny", "qwen3", 128, 64, 128, 1, 4, 4, 16)
 # On the GPU (NCCL): Qwen3's vocabulary and head shape, K of o_proj 2048 and of down_proj 3072.
 GPU_CONFIG = ModelConfig("tp_gpu", "qwen3", 151936, 1024, 3072, 2, 16, 8, 128)
-SEQ = 5
+SEQ = 3
 
 
 def batch(rows: int, vocab: int, device="cpu"):
@@ -31,42 +31,61 @@ def batch(rows: int, vocab: int, device="cpu"):
     return ids[:, :SEQ], ids[:, 1:], grad
 
 
-def decoder_run(model, rows: int) -> dict:
-    """Selected logprobs and the gradient of sum(g * logp) with respect to the input embeddings."""
+def decoder_run(model, rows: int, weight_grads: bool = False) -> dict:
+    """Selected logprobs and the gradient of sum(g * logp) with respect to the input embeddings (and, if
+    asked, every weight's gradient, the embedding's too, from the same backward)."""
     device = model.lm_head_weight.device
     config = getattr(model, "full_config", model.config)
     ids, targets, grad = batch(rows, config.vocab_size, device)
-    embeds = model.embed(ids).detach().requires_grad_()
+    weights = [t for t in model.w.values() if t.is_floating_point()]
+    for t in weights:
+        t.requires_grad_(weight_grads)
+    embeds = model.embed(ids)
+    if weight_grads:
+        embeds.retain_grad()
+    else:
+        embeds = embeds.detach().requires_grad_()
     positions = torch.arange(SEQ, device=device).expand(rows, SEQ)
     logp = model.selected_logprobs(model.forward(None, positions, embeds=embeds), targets)
     (logp * grad).sum().backward()
-    return {"logp": logp.detach(), "grad_embeds": embeds.grad, "embeds": embeds.detach()}
+    out = {"logp": logp.detach(), "grad_embeds": embeds.grad, "embeds": embeds.detach()}
+    if weight_grads:
+        out["weight_grads"] = {n: t.grad for n, t in model.w.items() if t.grad is not None}
+        for t in weights:
+            t.requires_grad_(False)
+            t.grad = None
+    return out
 
 
-def weight_grads(model, rows: int) -> dict:
-    """Every weight's gradient of sum(g * logp), from token ids (the embedding's gradient too)."""
-    for t in model.w.values():
-        if t.is_floating_point():
-            t.requires_grad_(True)
-    device = model.lm_head_weight.device
-    config = getattr(model, "full_config", model.config)
-    ids, targets, grad = batch(rows, config.vocab_size, device)
-    positions = torch.arange(SEQ, device=device).expand(rows, SEQ)
-    logp = model.selected_logprobs(model.forward(ids, positions), targets)
-    (logp * grad).sum().backward()
-    return {n: t.grad for n, t in model.w.items() if t.grad is not None}
+def fresh(weights: dict) -> dict:
+    return {n: t.detach().clone() for n, t in weights.items()}  # tensors of their own to hold gradients
 
 
-def weight_grad_mismatches(config, weights, group) -> list:
-    """The weights whose gradient slice on this rank differs from the single-process model's (bitwise)."""
-    fresh = lambda: {n: t.detach().clone() for n, t in weights.items()}  # noqa: E731 - leaves of their own
-    tp = weight_grads(TensorParallelDecoder(config, fresh(), group), 3)
-    single = weight_grads(DecoderModel(config, fresh(), ProfileOps(get_profile("triton_bf16"))), 3)
+def single_run(config, weights) -> dict:
+    """The single-process `triton_bf16` DecoderModel (not the TP class) at 3 rows, with weight gradients,
+    and at 1 row."""
+    model = DecoderModel(config, fresh(weights), ProfileOps(get_profile("triton_bf16")))
+    out = {f"decoder_{rows}.{k}": v for rows in (3, 1) for k, v in decoder_run(model, rows, rows == 3).items()}
+    grads = out.pop("decoder_3.weight_grads")
+    assert len(grads) == len(weights) and all(g.abs().max() > 0 for g in grads.values()), "vacuous gradients"
+    return out, grads
+
+
+def tp_run(config, weights, group) -> dict:
+    """The TP decoder at 3 rows (with weight gradients) and 1 row; "weight_grads": name -> (this rank's
+    gradient, its index into the whole weight's gradient; None: replicated)."""
+    model = TensorParallelDecoder(config, fresh(weights), group)
+    out = {f"decoder_{rows}.{k}": v for rows in (3, 1) for k, v in decoder_run(model, rows, rows == 3).items()}
     part = weight_part(config, group)
-    bad = [n for n, g in single.items() if n not in tp or not torch.equal(
-        tp[n], g if part(n, tuple(g.shape)) is None else g[part(n, tuple(g.shape))])]
-    assert len(single) == len(weights) and all(g.abs().max() > 0 for g in single.values()), "vacuous gradients"
-    return bad
+    out["weight_grads"] = {n: (g, part(n, tuple(weights[n].shape)))
+                           for n, g in out.pop("decoder_3.weight_grads").items()}
+    return out
+
+
+def weight_grad_mismatches(tp: dict, single: dict) -> list:
+    """The weights whose gradient slice on this rank differs from the single-process model's (bitwise)."""
+    return [n for n, g in single.items() if n not in tp or not torch.equal(
+        tp[n][0], g if tp[n][1] is None else g[tp[n][1]])]
 
 
 def _split(t: torch.Tensor, dim: int, ranks: Ranks) -> torch.Tensor:
@@ -130,7 +149,8 @@ def allreduce_continued_mm(a, b, k_full, ranks):
 
 
 def run_ranks(rank: int, world_size: int, device: str, tp_sizes=(1, 2, 4), config=CONFIG) -> dict:
-    """spawn_group entry: per TP size, every rank's op results and decoder results at 3 rows and 1 row."""
+    """spawn_group entry: per TP size, every rank's op results and decoder results at 3 rows (with weight
+    gradients) and 1 row."""
     if device == "cpu":
         tp_kernels.PIPELINE_ROWS = 4  # several hand-offs per reduction at these few rows (7 and 15)
     weights = synthetic_weights(config, 3, device=device)
@@ -138,13 +158,14 @@ def run_ranks(rank: int, world_size: int, device: str, tp_sizes=(1, 2, 4), confi
     for tp in tp_sizes:
         groups = [dist.new_group(list(range(g * tp, (g + 1) * tp))) for g in range(world_size // tp)]
         group = groups[rank // tp]
-        res = op_run(group, device)
-        model = TensorParallelDecoder(config, weights, group)
-        for rows in (3, 1):
-            res.update({f"decoder_{rows}.{k}": v for k, v in decoder_run(model, rows).items()})
-        results[str(tp)] = res
-        if tp == 4 or device != "cpu":  # the most split; each check is a single model's backward too
-            results[f"weight_grad_mismatches_{tp}"] = weight_grad_mismatches(config, weights, group)
+        if device == "cpu" and rank >= tp:  # the other groups would repeat the first one's work
+            continue
+        results[str(tp)] = {**op_run(group, device), **tp_run(config, weights, group)}
+    if device != "cpu":  # on the CPU the parent computes the reference once
+        _, single = single_run(config, weights)
+        for tp in tp_sizes:
+            results[f"weight_grad_mismatches_{tp}"] = weight_grad_mismatches(results[str(tp)].pop("weight_grads"),
+                                                                             single)
     if world_size < 2:
         return results
     original = tp_kernels._continued_mm
