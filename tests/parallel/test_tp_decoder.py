@@ -15,7 +15,6 @@ from rl_engine.models.decoder import DecoderModel
 from rl_engine.models.profiles import ProfileOps, get_profile
 from rl_engine.models.weights import synthetic_weights
 from rl_engine.parallel.launch import spawn_group
-from rl_engine.parallel.tp_decoder import TensorParallelDecoder
 from rl_engine.parallel.tp_kernels import Ranks, vocab_bounds
 
 
