@@ -41,10 +41,13 @@ run_stage() {
       stage "$1" 360 python3 benchmarks/mhc.py --out "$R/bench" ;;
     bench-mhc-quick)
       stage "$1" 240 python3 benchmarks/mhc.py --out "$R/bench" --quick ;;
-    bench-*)  # bench-NAME or bench-NAME:ARG,ARG (e.g. bench-rollout:--contexts,1024,--budget-s,480)
+    bench-*)  # bench-NAME or bench-NAME:ARG,ARG (e.g. bench-rollout:--contexts,1024,--budget-s,480);
+      # an argument that is itself a comma list: quote the stage, words split on spaces instead
+      # ("bench-transformers_step:--impls sdpa,rl_engine --modes compiled")
       local spec=${1#bench-} name args
       name=${spec%%:*}; args=""; [ "$spec" != "$name" ] && args=${spec#*:}
-      stage "$1" 570 python3 "benchmarks/$name.py" --out "$R/bench" ${args//,/ } ;;
+      [[ "$args" == *" "* ]] || args=${args//,/ }
+      stage "$name" 570 python3 "benchmarks/$name.py" --out "$R/bench" $args ;;
     mhc)
       stage mhc-cuda-check 300 python3 scripts/mhc_cuda_check.py --out "$R/evidence" ;;
     tp)

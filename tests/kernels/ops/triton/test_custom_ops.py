@@ -166,10 +166,14 @@ def test_tiny_model_compiles_fullgraph_with_the_eager_bits():
 
 
 def _packed_attention(x, cu, w_q, w_kv):
-    """Packed causal GQA attention over one row [T,H] of several sequences (cu_seqlens), then a sum."""
+    """Packed causal GQA attention over one row [T,H] of several sequences (cu_seqlens).
+
+    Our ops' outputs only: a torch reduction after them is inductor's to fuse, and its fp32 bits
+    differ from eager's (seen on the H200: a trailing `.sum(-1)` differed in 14 of 26 values while the
+    attention output was equal)."""
     q = triton_matmul(x, w_q).reshape(x.shape[0], 2, 8)
     kv = triton_matmul(x, w_kv).reshape(x.shape[0], 2, 8)
-    return triton_attention(q, kv[:, :1], kv[:, 1:], cu_seqlens=cu).float().sum(-1)
+    return triton_attention(q, kv[:, :1], kv[:, 1:], cu_seqlens=cu)
 
 
 def _assert_packed_compiles_with_the_eager_bits(backend, device, dtype):
@@ -180,8 +184,9 @@ def _assert_packed_compiles_with_the_eager_bits(backend, device, dtype):
     compiled = torch.compile(_packed_attention, backend=backend, fullgraph=True)  # raises on a graph break
     out, ref = compiled(x, cu, *w), _packed_attention(x, cu, *w)
     assert torch.equal(out, ref), "forward: compiled vs eager"
-    g, = torch.autograd.grad(out.sum(), x)
-    r, = torch.autograd.grad(ref.sum(), x)
+    grad_out = _randn(*out.shape, seed=42, grad=False, dtype=dtype).to(device)
+    g, = torch.autograd.grad(out, x, grad_out)
+    r, = torch.autograd.grad(ref, x, grad_out)
     assert torch.equal(g, r), "dx: compiled vs eager"
 
 
