@@ -171,7 +171,7 @@ def _packed_layout(positions: torch.Tensor) -> dict:
         return {}
     t = pos.numel()
     cu = torch.cat([starts, torch.tensor([t], device=pos.device)]).to(torch.int32)
-    seg = torch.searchsorted(cu[1:].long(), torch.arange(t, device=pos.device), right=True)
+    seg = torch.searchsorted(cu.long(), torch.arange(t, device=pos.device), right=True) - 1
     if int(pos[0]) != 0 or not torch.equal(pos.long(), torch.arange(t, device=pos.device) - cu[seg].long()):
         raise UsageError("packed position_ids must count 0, 1, ... within each sequence")
     return {"cu_seqlens": cu}
@@ -242,7 +242,9 @@ def selected_logprobs(model, input_ids, target_ids=None, attention_mask=None, po
                 raise UsageError(f"selected_logprobs: cu_seqlens needs one packed row [1,T], got batch {b}")
             cu = cu_seqlens.long().to(input_ids.device)
             idx = torch.arange(s, device=input_ids.device)
-            position_ids = (idx - cu[torch.searchsorted(cu[1:], idx, right=True)])[None]
+            # cu[0] = 0 <= idx: searching all of cu counts it once. Not cu[1:]: inductor's bucketize
+            # lowering cannot take a sliced view as its boundaries (NotImplementedError: SliceView).
+            position_ids = (idx - cu[torch.searchsorted(cu, idx, right=True) - 1])[None]
         else:
             position_ids = torch.arange(s, device=input_ids.device)[None].expand(b, s)
     packed = {}

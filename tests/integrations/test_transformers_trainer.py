@@ -216,3 +216,16 @@ def test_packed_selected_logprobs_compile_fullgraph_with_the_eager_bits():
                              fullgraph=True)  # raises on a graph break
     with torch.no_grad():
         assert torch.equal(compiled(ids), selected_logprobs(model, ids, cu_seqlens=cu))
+
+
+@pytest.mark.gpu
+def test_packed_selected_logprobs_compile_with_inductor_on_the_gpu():
+    # Inductor lowers searchsorted on CUDA itself, and could not take a sliced view as the boundaries
+    # (NotImplementedError: SliceView at the H200's 1x8192 benchmark); the CPU's aot_eager never lowers it.
+    model = patched("triton_bf16").cuda()
+    ids = torch.cat(sequences())[None].cuda()
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda i: selected_logprobs(model, i, cu_seqlens=cu), fullgraph=True)
+    with torch.no_grad():
+        assert torch.equal(compiled(ids), selected_logprobs(model, ids, cu_seqlens=cu))
