@@ -121,7 +121,7 @@ def test_qwen2_and_llama_at_tp2_equal_their_single_process_models():
 
     ranks = spawn_group(families_run, 2, backend="gloo", device="cpu")
     for name in ("tiny-qwen2", "tiny-llama"):
-        config = get_config(name)
+        config = get_config(name).with_layers(1)
         model = DecoderModel(config, synthetic_weights(config, 3), ProfileOps(get_profile("triton_bf16")))
         single = decoder_run(model, 3)
         for results in ranks:
