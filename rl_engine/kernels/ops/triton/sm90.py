@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import sys
 
 import torch
@@ -34,7 +35,7 @@ _ALIGNED = {"Q", "K", "V", "O", "LSE", "PM", "PL", "PACC", "SEQ_INFO", "DO", "DE
             "stride_dn", "stride_ak", "stride_bk", "M",
             "stride_qr", "stride_qh", "stride_kr", "stride_kh", "stride_or", "stride_oh", "stride_lr",
             "a_ptr", "w_ptr", "c_ptr", "g_ptr", "dw_ptr", "tiles_ptr", "starts_ptr", "N",  # "K" is above
-            "stride_am", "stride_we", "stride_wn", "stride_cm", "stride_gm", "stride_de"}
+            "stride_am", "stride_we", "stride_wn", "stride_wk", "stride_cm", "stride_gm", "stride_de"}
 # Launches also specialise integer arguments equal to 1 as constants: the unit strides of row-major operands.
 _UNIT_STRIDES = {"stride_ak", "stride_wk", "stride_cn", "stride_gn", "stride_dk"}
 
@@ -97,15 +98,18 @@ def compile_grouped_matmul(kind: str, dtype: torch.dtype):
     cfg = matmul_config(dtype, 768, 2048)
     precision = dot_precision(dtype)  # the interpreter is off here: the GPU's choice
     element = "*bf16" if dtype == torch.bfloat16 else "*fp32"
-    if kind == "matmul":
+    if kind in ("matmul", "matmul_w_along_n"):  # forward; input gradient (w read along its unit-stride n)
         fn = gm._grouped_matmul_kernel
         constants = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_FP32=False,
                          INPUT_PRECISION=precision)
+        if "W_ALONG_N" in fn.arg_names:
+            constants["W_ALONG_N"] = kind == "matmul_w_along_n"
     else:
         fn = gm._grouped_weight_grad_kernel
         constants = dict(BLOCK_N=min(cfg.block_m, 128), BLOCK_K=min(cfg.block_n, 128), BLOCK_R=cfg.block_k,
                          DOT_FP32=False, INPUT_PRECISION=precision)
-    constants.update({name: 1 for name in fn.arg_names if name in _UNIT_STRIDES})
+    unit = _UNIT_STRIDES ^ {"stride_wk", "stride_wn"} if kind == "matmul_w_along_n" else _UNIT_STRIDES
+    constants.update({name: 1 for name in fn.arg_names if name in unit})
 
     def types(name: str) -> str:
         if name in ("tiles_ptr", "starts_ptr"):
@@ -189,8 +193,11 @@ def compile_linear_logp(kind: str, dtype: torch.dtype):
 
 
 def _summary(kernel, registers: bool = False) -> dict:
+    ptx = kernel.asm["ptx"]
+    # scalar_loads: 16-bit global loads one element at a time, where a contiguous tile should come in
+    # 16-byte async copies (a grouped GEMM whose operand lost its contiguity was 5x slower on the H200).
     summary = {"shared": kernel.metadata.shared, "cubin": len(kernel.asm.get("cubin", b"")),
-               "wgmma": kernel.asm["ptx"].count("wgmma.mma_async")}
+               "wgmma": ptx.count("wgmma.mma_async"), "scalar_loads": len(re.findall(r"ld\.global\.[bu]16", ptx))}
     if registers:
         summary.update(ptxas_registers(kernel.asm["ptx"]))
     return summary
@@ -244,7 +251,7 @@ def main(argv=None) -> int:
 
     if not args.tile:
         for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
-            for kind in ("matmul", "weight_grad"):
+            for kind in ("matmul", "matmul_w_along_n", "weight_grad"):
                 record(f"grouped_{kind}/{name}", functools.partial(compile_grouped_matmul, kind, dtype))
             for kind in LINEAR_LOGP_KERNELS:
                 record(f"linear_logp_{kind}/{name}", functools.partial(compile_linear_logp, kind, dtype))
