@@ -163,6 +163,16 @@ def _padding_layout(mask: torch.Tensor, node: str) -> dict:
     raise UsageError(f"{node}: padding must be all on the left or all on the right of every row")
 
 
+def _packed_positions(cu_seqlens: torch.Tensor, t: int) -> torch.Tensor:
+    """[T] int64: each token's position within its sequence of a packed row (cu_seqlens[0] = 0).
+
+    Searches all of cu (cu[0] <= every index, so it counts once), not cu[1:]: inductor's CUDA
+    lowering of searchsorted cannot take a sliced view as its boundaries (NotImplementedError: SliceView)."""
+    cu = cu_seqlens.long()
+    idx = torch.arange(t, device=cu.device)
+    return idx - cu[torch.searchsorted(cu, idx, right=True) - 1]
+
+
 def _packed_layout(positions: torch.Tensor) -> dict:
     """cu_seqlens of a packed row [1,T] whose positions restart at 0 for each sequence (none if one sequence)."""
     pos = positions[0]
@@ -171,8 +181,7 @@ def _packed_layout(positions: torch.Tensor) -> dict:
         return {}
     t = pos.numel()
     cu = torch.cat([starts, torch.tensor([t], device=pos.device)]).to(torch.int32)
-    seg = torch.searchsorted(cu.long(), torch.arange(t, device=pos.device), right=True) - 1
-    if int(pos[0]) != 0 or not torch.equal(pos.long(), torch.arange(t, device=pos.device) - cu[seg].long()):
+    if int(pos[0]) != 0 or not torch.equal(pos.long(), _packed_positions(cu, t)):
         raise UsageError("packed position_ids must count 0, 1, ... within each sequence")
     return {"cu_seqlens": cu}
 
@@ -240,11 +249,7 @@ def selected_logprobs(model, input_ids, target_ids=None, attention_mask=None, po
         elif cu_seqlens is not None:
             if b != 1:
                 raise UsageError(f"selected_logprobs: cu_seqlens needs one packed row [1,T], got batch {b}")
-            cu = cu_seqlens.long().to(input_ids.device)
-            idx = torch.arange(s, device=input_ids.device)
-            # cu[0] = 0 <= idx: searching all of cu counts it once. Not cu[1:]: inductor's bucketize
-            # lowering cannot take a sliced view as its boundaries (NotImplementedError: SliceView).
-            position_ids = (idx - cu[torch.searchsorted(cu, idx, right=True) - 1])[None]
+            position_ids = _packed_positions(cu_seqlens.to(input_ids.device), s)[None]
         else:
             position_ids = torch.arange(s, device=input_ids.device)[None].expand(b, s)
     packed = {}

@@ -199,7 +199,7 @@ def _summary(kernel, registers: bool = False) -> dict:
     summary = {"shared": kernel.metadata.shared, "cubin": len(kernel.asm.get("cubin", b"")),
                "wgmma": ptx.count("wgmma.mma_async"), "scalar_loads": len(re.findall(r"ld\.global\.[bu]16", ptx))}
     if registers:
-        summary.update(ptxas_registers(kernel.asm["ptx"]))
+        summary.update(ptxas_registers(ptx))
     return summary
 
 

@@ -71,7 +71,8 @@ def attention_mask(q, seq_starts=None, cu_seqlens=None, causal: bool = True) -> 
     if seq_starts is not None:
         mask = mask & (idx[None, None, :] >= seq_starts.long().to(q.device)[:, None, None])
     if cu_seqlens is not None:
-        seq_id = torch.searchsorted(cu_seqlens.long().to(q.device), idx, right=True)  # + 1, as in every row
+        # Each position's sequence index + 1 (all of cu searched: only equality of ids is used below).
+        seq_id = torch.searchsorted(cu_seqlens.long().to(q.device), idx, right=True)
         mask = mask & (seq_id[:, None] == seq_id[None, :]).unsqueeze(0)
     return mask | torch.eye(s, dtype=torch.bool, device=q.device).unsqueeze(0)
 
