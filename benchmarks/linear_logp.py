@@ -226,7 +226,8 @@ def bwd_kernel_sweep(tokens, warmup, rep) -> list[dict]:
         label = f"{t['BLOCK_T']}x{t['BLOCK_V']}x{t['BLOCK_H']}/w{t['num_warps']}s{t['num_stages']}" + \
             (f" maxnreg {t['DLOGITS_MAXNREG']}" if t["DLOGITS_MAXNREG"] else "")
         add("dlogits recompute", label,
-            lambda t=t: ours._dlogits(rows2d, weight, None, targets1d, lse, grad_out, d, chunk, 2 * chunk, t))
+            lambda t=t: ours._dlogits(ours.logits_descriptors(rows2d, weight, t), rows2d, weight, None, targets1d,
+                                      lse, grad_out, d, chunk, 2 * chunk, t))
     grad_hidden = torch.zeros(n, HIDDEN, device="cuda")
     w_out = torch.empty(chunk, HIDDEN, dtype=torch.bfloat16, device="cuda")
     for bm, bn, bk, nw, ns in GEMM_SWEEP:

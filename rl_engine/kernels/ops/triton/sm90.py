@@ -161,10 +161,13 @@ def compile_linear_logp(kind: str, dtype: torch.dtype):
     element = "*bf16" if dtype == torch.bfloat16 else "*fp32"
     precision = dot_precision(dtype)  # the interpreter is off here: the GPU's choice
     tiles = dict(BLOCK_T=cfg["BLOCK_T"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"], GROUP=cfg["GROUP"],
-                 HAS_BIAS=False, EVEN_H=True, DOT_FP32=False, INPUT_PRECISION=precision)
+                 HAS_BIAS=False, NUM_PROGRAMS=132, DOT_FP32=False, INPUT_PRECISION=precision)
     fp32_ptrs = {"part_max_ptr", "part_sum_ptr", "target_logit_ptr", "logp_ptr", "lse_ptr", "grad_out_ptr"}
+    blocks = {"h_desc": [cfg["BLOCK_T"], cfg["BLOCK_H"]], "w_desc": [cfg["BLOCK_V"], cfg["BLOCK_H"]]}
 
     def types(name: str) -> str:
+        if name in blocks:
+            return f"tensordesc<{element[1:]}[{blocks[name][0]}, {blocks[name][1]}]>"
         if name == "target_ptr":
             return "*i64"
         if name in fp32_ptrs:
@@ -175,8 +178,7 @@ def compile_linear_logp(kind: str, dtype: torch.dtype):
         return _compile(ll._combine_kernel, {"BLOCK": 2048}, types, 4, 1)
     if kind in ("partials", "dlogits"):
         fn = ll._partials_kernel if kind == "partials" else ll._dlogits_kernel
-        constants = dict(tiles, stride_hh=1, stride_wh=1)
-        return _compile(fn, constants, types, cfg["num_warps"], cfg["num_stages"])
+        return _compile(fn, tiles, types, cfg["num_warps"], cfg["num_stages"])
     gemm = cfg["DH" if kind == "dh" else "DW"]
     constants = dict(BLOCK_M=gemm["BLOCK_M"], BLOCK_N=gemm["BLOCK_N"], BLOCK_K=gemm["BLOCK_K"], GROUP=gemm["GROUP"],
                      ROW_SUM=False, EVEN_K=True, DOT_FP32=False, INPUT_PRECISION=precision,

@@ -147,12 +147,27 @@ def test_torch_compile_traces_the_custom_op_and_gives_the_eager_bits():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_backward_scales_the_gradients_slice_by_slice_with_the_bits_of_one_multiply(monkeypatch, dtype):
-    # The loss's backward multiplies the saved [V,H] gradient by the upstream scalar in slices (no 2.5 GB
-    # fp32 temporaries at Qwen3-8B's vocabulary); slices of 3 rows here must change no bit.
+def test_backward_scales_the_gradients_in_place_slice_by_slice_with_the_bits_of_one_multiply(monkeypatch, dtype):
+    # The loss's backward multiplies the saved [V,H] gradient by the upstream scalar in place and in slices
+    # (no second [V,H] copy, no 2.5 GB fp32 temporaries at Qwen3-8B's vocabulary); slices of 3 rows here
+    # must change no bit.
     monkeypatch.setattr(fused_module, "SCALE_ROWS", 3)
     for shape in ((10, 7), (2, 5, 4), (0, 4)):
         grad = torch.randn(shape).to(dtype)
         for g in (1.0, 0.37, -3.0):
             g = torch.tensor(g)
-            assert torch.equal(fused_module._scaled(grad, g), (grad.float() * g).to(dtype)), (shape, g)
+            expected = (grad.float() * g).to(dtype)
+            scaled = grad.clone()
+            assert fused_module._scale_(scaled, g) is scaled and torch.equal(scaled, expected), (shape, g)
+
+
+def test_a_second_backward_through_the_loss_fails_loudly():
+    # The gradient computed in forward is scaled in place by the first backward: a retained graph's second
+    # backward must refuse (autograd's saved-tensor version check), not return a gradient scaled twice.
+    inputs = make_inputs()
+    hidden = inputs["hidden"].clone().requires_grad_(True)
+    weight = inputs["lm_head_weight"].clone().requires_grad_(True)
+    loss, _ = linear_policy_loss(**dict(inputs, hidden=hidden, lm_head_weight=weight), backend="triton")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -25,9 +25,12 @@ tile row the token landed in. The weight and bias gradients are sums over tokens
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rl_engine.kernels.ops.pytorch.base import expect_rank, expect_shape
 from rl_engine.kernels.ops.pytorch.loss.linear_logp import NativeLinearLogpOp
@@ -61,6 +64,9 @@ _INTERPRETER_CONFIG = dict(BLOCK_T=16, BLOCK_V=16, BLOCK_H=16, GROUP=2, num_warp
                            DW=_gemm(16, 16, 16, 1, 1, group=2))
 
 
+INTERPRETER_PROGRAMS = 3  # stands in for the SM count: several tiles per program, as on the GPU
+
+
 def config(dtype: torch.dtype) -> dict:
     if interpreting():
         return dict(_INTERPRETER_CONFIG)
@@ -81,65 +87,56 @@ def _grouped_tile(pid, num_m, num_n, GROUP: tl.constexpr):
 
 @triton.jit
 def _logits_tile(
-    hidden_ptr, weight_ptr, bias_ptr, rows, cols, H,
-    stride_hn, stride_hh, stride_wv, stride_wh,
-    HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    EVEN_H: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    h_desc, w_desc, off_t, off_v, H, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    # fp32 [BLOCK_T, BLOCK_V] tile of hidden @ W^T (+ bias); rows/cols must be in range (callers wrap).
-    offs_k = tl.arange(0, BLOCK_H)
-    h_ptrs = hidden_ptr + rows.to(tl.int64)[:, None] * stride_hn + offs_k[None, :] * stride_hh
-    w_ptrs = weight_ptr + cols.to(tl.int64)[None, :] * stride_wv + offs_k[:, None] * stride_wh
+    # fp32 [BLOCK_T, BLOCK_V] tile of hidden @ W^T from TMA loads of hidden [N,H] and W [V,H] (rows and
+    # columns past the tensors' ends load as zeros); the K loop walks H from 0 in BLOCK_H steps.
     acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
     for k in range(0, tl.cdiv(H, BLOCK_H)):
-        if EVEN_H:
-            h = tl.load(h_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            k_mask = offs_k < H - k * BLOCK_H
-            h = tl.load(h_ptrs, mask=k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+        h = h_desc.load([off_t, k * BLOCK_H])
+        w = w_desc.load([off_v, k * BLOCK_H]).T
         if DOT_FP32:
             h = h.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(h, w, acc, input_precision=INPUT_PRECISION)
-        h_ptrs += BLOCK_H * stride_hh
-        w_ptrs += BLOCK_H * stride_wh
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _partials_kernel(
-    hidden_ptr, weight_ptr, bias_ptr, target_ptr, part_max_ptr, part_sum_ptr, target_logit_ptr,
-    N, V, H, stride_hn, stride_hh, stride_wv, stride_wh, num_vtiles,
+    h_desc, w_desc, bias_ptr, target_ptr, part_max_ptr, part_sum_ptr, target_logit_ptr, N, V, H, num_vtiles,
     HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    GROUP: tl.constexpr, EVEN_H: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, NUM_PROGRAMS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    tile_t, tile_v = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_T), num_vtiles, GROUP)
-    rows = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tile_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    acc = _logits_tile(
-        hidden_ptr, weight_ptr, bias_ptr, rows % N, cols % V, H,
-        stride_hn, stride_hh, stride_wv, stride_wh,
-        HAS_BIAS, BLOCK_T, BLOCK_V, BLOCK_H, EVEN_H, DOT_FP32, INPUT_PRECISION,
-    )
-    acc = tl.where((cols < V)[None, :], acc, float("-inf"))
-    # NaN if any logit of the row's tile is NaN (fold_lse then makes the lse NaN); -inf if all are
-    # -inf (e.g. a -inf bias): then shift by 0, so that the sum is 0, not -inf - -inf = NaN.
-    tile_max = max_nan(acc, 1)
-    shift = tl.where(tile_max == float("-inf"), 0.0, tile_max)
-    # exp(acc - max) as 2^(acc log2e - max log2e): one FFMA and one MUFU.EX2 per element.
-    tile_sum = tl.sum(exp2_ftz(acc * LOG2E - (shift * LOG2E)[:, None]), axis=1)
-    row_ok = rows < N
-    rows64 = rows.to(tl.int64)
-    tl.store(part_max_ptr + rows64 * num_vtiles + tile_v, tile_max, mask=row_ok)
-    tl.store(part_sum_ptr + rows64 * num_vtiles + tile_v, tile_sum, mask=row_ok)
-    target = tl.load(target_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
-    in_tile = (target >= tile_v * BLOCK_V) & (target < tile_v * BLOCK_V + BLOCK_V) & (target < V)
-    # Only about one tile in ten holds any of its BLOCK_T tokens' targets: skip the pick elsewhere.
-    if tl.max(in_tile.to(tl.int32), axis=0) > 0:
+    # Persistent: NUM_PROGRAMS programs stride over the [BLOCK_T, BLOCK_V] tiles, so a tile's epilogue
+    # (exps, sums, stores) overlaps the next tile's first loads. Which program runs a tile changes no bit.
+    num_ttiles = tl.cdiv(N, BLOCK_T)
+    tile_id_c = tl.program_id(0) - NUM_PROGRAMS  # the epilogue's tile, from its own counter (as matmul.py)
+    for tile_id in tl.range(tl.program_id(0), num_ttiles * num_vtiles, NUM_PROGRAMS, flatten=True):
+        tile_t, tile_v = _grouped_tile(tile_id, num_ttiles, num_vtiles, GROUP)
+        acc = _logits_tile(h_desc, w_desc, tile_t * BLOCK_T, tile_v * BLOCK_V, H,
+                           BLOCK_T, BLOCK_V, BLOCK_H, DOT_FP32, INPUT_PRECISION)
+        tile_id_c += NUM_PROGRAMS
+        tile_t, tile_v = _grouped_tile(tile_id_c, num_ttiles, num_vtiles, GROUP)
+        rows = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = tile_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)[None, :]
+        acc = tl.where((cols < V)[None, :], acc, float("-inf"))
+        # NaN if any logit of the row's tile is NaN (fold_lse then makes the lse NaN); -inf if all are
+        # -inf (e.g. a -inf bias): then shift by 0, so that the sum is 0, not -inf - -inf = NaN.
+        tile_max = max_nan(acc, 1)
+        shift = tl.where(tile_max == float("-inf"), 0.0, tile_max)
+        # exp(acc - max) as 2^(acc log2e - max log2e): one FFMA and one MUFU.EX2 per element.
+        tile_sum = tl.sum(exp2_ftz(acc * LOG2E - (shift * LOG2E)[:, None]), axis=1)
+        row_ok = rows < N
+        rows64 = rows.to(tl.int64)
+        tl.store(part_max_ptr + rows64 * num_vtiles + tile_v, tile_max, mask=row_ok)
+        tl.store(part_sum_ptr + rows64 * num_vtiles + tile_v, tile_sum, mask=row_ok)
+        target = tl.load(target_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
+        in_tile = (target >= tile_v * BLOCK_V) & (target < tile_v * BLOCK_V + BLOCK_V) & (target < V)
+        # Every tile picks (a branch on whether any target is in the tile breaks the loop flattening).
         picked = tl.sum(tl.where(cols[None, :] == target[:, None], acc, 0.0), axis=1)
         tl.store(target_logit_ptr + rows, picked, mask=row_ok & in_tile)
 
@@ -159,33 +156,39 @@ def _combine_kernel(
     tl.store(lse_ptr + row, lse)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _dlogits_kernel(
-    hidden_ptr, weight_ptr, bias_ptr, target_ptr, lse_ptr, grad_out_ptr, dlogits_ptr,
-    N, V, H, v_start, v_stop, stride_hn, stride_hh, stride_wv, stride_wh, stride_dn,
+    h_desc, w_desc, bias_ptr, target_ptr, lse_ptr, grad_out_ptr, dlogits_ptr,
+    N, V, H, v_start, v_stop, stride_dn,
     HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    GROUP: tl.constexpr, EVEN_H: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, NUM_PROGRAMS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     # dlogits[:, v_start:v_stop] = g * (onehot - softmax), from logits recomputed bit for bit as in
-    # the forward (same tile shapes, same K order; v_start is a multiple of BLOCK_V).
+    # the forward (same tile shapes, same K order; v_start is a multiple of BLOCK_V). Persistent, as
+    # the forward's partials.
+    num_ttiles = tl.cdiv(N, BLOCK_T)
     num_vtiles = tl.cdiv(v_stop - v_start, BLOCK_V)
-    tile_t, tile_v = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_T), num_vtiles, GROUP)
-    rows = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    local = tile_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    cols = v_start + local
-    acc = _logits_tile(
-        hidden_ptr, weight_ptr, bias_ptr, rows % N, cols % V, H,
-        stride_hn, stride_hh, stride_wv, stride_wh,
-        HAS_BIAS, BLOCK_T, BLOCK_V, BLOCK_H, EVEN_H, DOT_FP32, INPUT_PRECISION,
-    )
-    row_ok = rows < N
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-    g = tl.load(grad_out_ptr + rows, mask=row_ok, other=0.0)
-    target = tl.load(target_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
-    onehot = tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
-    dlogits = g[:, None] * (onehot - exp2_ftz(acc * LOG2E - (lse * LOG2E)[:, None]))
-    ptrs = dlogits_ptr + rows.to(tl.int64)[:, None] * stride_dn + local[None, :]
-    tl.store(ptrs, cast_rne(dlogits, dlogits_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < v_stop)[None, :])
+    tile_id_c = tl.program_id(0) - NUM_PROGRAMS
+    for tile_id in tl.range(tl.program_id(0), num_ttiles * num_vtiles, NUM_PROGRAMS, flatten=True):
+        tile_t, tile_v = _grouped_tile(tile_id, num_ttiles, num_vtiles, GROUP)
+        acc = _logits_tile(h_desc, w_desc, tile_t * BLOCK_T, v_start + tile_v * BLOCK_V, H,
+                           BLOCK_T, BLOCK_V, BLOCK_H, DOT_FP32, INPUT_PRECISION)
+        tile_id_c += NUM_PROGRAMS
+        tile_t, tile_v = _grouped_tile(tile_id_c, num_ttiles, num_vtiles, GROUP)
+        rows = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        local = tile_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        cols = v_start + local
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)[None, :]
+        row_ok = rows < N
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        g = tl.load(grad_out_ptr + rows, mask=row_ok, other=0.0)
+        target = tl.load(target_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
+        onehot = tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
+        dlogits = g[:, None] * (onehot - exp2_ftz(acc * LOG2E - (lse * LOG2E)[:, None]))
+        ptrs = dlogits_ptr + rows.to(tl.int64)[:, None] * stride_dn + local[None, :]
+        tl.store(ptrs, cast_rne(dlogits, dlogits_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (cols < v_stop)[None, :])
 
 
 @triton.jit
@@ -260,6 +263,42 @@ def _matmul(a, b, c, *, accumulate=False, row_sum=None, gemm) -> None:
     )
 
 
+def _tile_options(cfg, dtype) -> dict:
+    return dict(BLOCK_T=cfg["BLOCK_T"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"], GROUP=cfg["GROUP"],
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dot_options(dtype))
+
+
+def num_programs(device: torch.device) -> int:
+    """Programs of the persistent logits kernels: one per SM (a fixed few under the interpreter)."""
+    return INTERPRETER_PROGRAMS if interpreting() else _sm_count(device.index or 0)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def tma_descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A TMA descriptor of the row-major 2-D `t`. TMA needs a unit column stride and a 16-byte aligned
+    base and row stride; anything else (H not a multiple of 8 in 16 bits: no real model) is read
+    from a zero-padded copy, with the same bits (the padding lies past H: zero products)."""
+    rows, cols = t.shape
+    size = t.element_size()
+    stride = t.stride(0) if rows > 1 else cols
+    if (cols > 1 and t.stride(1) != 1) or stride < cols or (stride * size) % 16 or t.data_ptr() % 16:
+        stride = -(-cols * size // 16) * 16 // size
+        padded = t.new_zeros(rows, stride)
+        padded[:, :cols] = t
+        t = padded
+    return TensorDescriptor(t, [rows, cols], [stride, 1], block)
+
+
+def logits_descriptors(hidden, weight, cfg) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors of hidden [N,H] and W [V,H] with the logits tiles' block shapes."""
+    return (tma_descriptor(hidden, [cfg["BLOCK_T"], cfg["BLOCK_H"]]),
+            tma_descriptor(weight, [cfg["BLOCK_V"], cfg["BLOCK_H"]]))
+
+
 def _forward(hidden, weight, bias, targets, cfg):
     return combine(*partials(hidden, weight, bias, targets, cfg))
 
@@ -273,13 +312,12 @@ def partials(hidden, weight, bias, targets, cfg):
     part_max = torch.empty(n, num_vtiles, dtype=torch.float32, device=hidden.device)
     part_sum = torch.empty_like(part_max)
     target_logit = torch.full((n,), float("nan"), dtype=torch.float32, device=hidden.device)
-    grid = (triton.cdiv(n, cfg["BLOCK_T"]) * num_vtiles,)
-    _partials_kernel[grid](
-        hidden, weight, bias if bias is not None else weight, targets, part_max, part_sum, target_logit,
-        n, v, h, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), num_vtiles,
-        HAS_BIAS=bias is not None, BLOCK_T=cfg["BLOCK_T"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"],
-        GROUP=cfg["GROUP"], EVEN_H=h % cfg["BLOCK_H"] == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_dot_options(hidden.dtype),
+    h_desc, w_desc = logits_descriptors(hidden, weight, cfg)
+    tiles = triton.cdiv(n, cfg["BLOCK_T"]) * num_vtiles
+    programs = num_programs(hidden.device)
+    _partials_kernel[(min(programs, tiles),)](
+        h_desc, w_desc, bias if bias is not None else weight, targets, part_max, part_sum, target_logit,
+        n, v, h, num_vtiles, HAS_BIAS=bias is not None, NUM_PROGRAMS=programs, **_tile_options(cfg, hidden.dtype),
     )
     return part_max, part_sum, target_logit
 
@@ -296,18 +334,16 @@ def combine(part_max, part_sum, target_logit):
     return logp, lse
 
 
-def _dlogits(hidden, weight, bias, targets, lse, grad_out, d, v_start, v_stop, cfg) -> None:
+def _dlogits(descs, hidden, weight, bias, targets, lse, grad_out, d, v_start, v_stop, cfg) -> None:
     n, h = hidden.shape
     v = weight.shape[0]
-    grid = (triton.cdiv(n, cfg["BLOCK_T"]) * triton.cdiv(v_stop - v_start, cfg["BLOCK_V"]),)
+    tiles = triton.cdiv(n, cfg["BLOCK_T"]) * triton.cdiv(v_stop - v_start, cfg["BLOCK_V"])
+    programs = num_programs(hidden.device)
     maxnreg = {"maxnreg": cfg["DLOGITS_MAXNREG"]} if cfg.get("DLOGITS_MAXNREG") else {}
-    _dlogits_kernel[grid](
-        hidden, weight, bias if bias is not None else weight, targets, lse, grad_out, d,
-        n, v, h, v_start, v_stop, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        d.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_T=cfg["BLOCK_T"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"],
-        GROUP=cfg["GROUP"], EVEN_H=h % cfg["BLOCK_H"] == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **maxnreg, **_dot_options(hidden.dtype),
+    _dlogits_kernel[(min(programs, tiles),)](
+        *descs, bias if bias is not None else weight, targets, lse, grad_out, d,
+        n, v, h, v_start, v_stop, d.stride(0), HAS_BIAS=bias is not None, NUM_PROGRAMS=programs,
+        **maxnreg, **_tile_options(cfg, hidden.dtype),
     )
 
 
@@ -329,10 +365,11 @@ def _backward(hidden, weight, bias, targets, lse, grad_out, cfg, need_hidden, ne
         grad_hidden = torch.zeros(n, h, dtype=torch.float32, device=hidden.device) if need_hidden else None
     grad_weight = torch.empty_like(weight) if need_weight else None
     grad_bias = torch.empty_like(bias) if need_bias else None
+    descs = logits_descriptors(hidden, weight, cfg)
     for v_start in range(0, v, chunk):
         v_stop = min(v_start + chunk, v)
         d = dlogits[:, : v_stop - v_start]
-        _dlogits(hidden, weight, bias, targets, lse, grad_out, d, v_start, v_stop, cfg)
+        _dlogits(descs, hidden, weight, bias, targets, lse, grad_out, d, v_start, v_stop, cfg)
         if need_hidden:
             _matmul(d, weight[v_start:v_stop], grad_hidden, accumulate=v_start > 0 or init is not None,
                     gemm=cfg["DH"])

@@ -57,7 +57,14 @@ from rl_engine.kernels.ops.pytorch.loss.linear_policy_loss import (
     expand_advantages,
     validate_policy_inputs,
 )
-from rl_engine.kernels.ops.triton.loss.linear_logp import _dot_options, _gemm, _grouped_tile, _logits_tile, _matmul
+from rl_engine.kernels.ops.triton.loss.linear_logp import (
+    _grouped_tile,
+    _logits_tile,
+    _matmul,
+    _tile_options,
+    num_programs,
+    tma_descriptor,
+)
 from rl_engine.kernels.ops.triton.loss.linear_logp import config as _linear_logp_config
 from rl_engine.kernels.ops.triton.loss.logp import LOG2E, exp2_ftz
 from rl_engine.kernels.ops.triton.runtime import cast_rne, interpreting
@@ -72,49 +79,43 @@ _GSPO_MAX = tl.constexpr(GSPO_LOG_RATIO_MAX)
 _KL_CLAMP = tl.constexpr(KL_CLAMP)
 
 
-# 16-bit tiles of the policy loss: the ones benchmarks/policy_loss.py measured (linear_logp has since
-# moved to 128x256 tiles, not yet timed in this op's kernels).
-_TILES_16BIT = dict(BLOCK_T=128, BLOCK_V=128, BLOCK_H=64, num_warps=8, num_stages=3, VOCAB_CHUNK=4096,
-                    DH=_gemm(128, 128, 64, 8, 3), DW=_gemm(128, 128, 64, 8, 3))
-
-
 def config(dtype: torch.dtype) -> dict:
+    """linear_logp's tiles and vocabulary chunk, with this op's token chunk and sequence lanes."""
     key = "interpreter" if interpreting() else "gpu"
-    cfg = dict(_linear_logp_config(dtype), TOKEN_CHUNK=TOKEN_CHUNK[key], SEQ_BLOCK=SEQ_BLOCK[key])
-    if key == "gpu" and dtype != torch.float32:
-        cfg.update(_TILES_16BIT)
-    return cfg
+    return dict(_linear_logp_config(dtype), TOKEN_CHUNK=TOKEN_CHUNK[key], SEQ_BLOCK=SEQ_BLOCK[key])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _stats_partials_kernel(
-    hidden_ptr, weight_ptr, target_ptr, part_max_ptr, part_sum_ptr, part_zsum_ptr, target_logit_ptr,
-    N, V, H, inv_temp, stride_hn, stride_hh, stride_wv, stride_wh, num_vtiles,
+    h_desc, w_desc, target_ptr, part_max_ptr, part_sum_ptr, part_zsum_ptr, target_logit_ptr,
+    N, V, H, inv_temp, num_vtiles,
     ENTROPY: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    GROUP: tl.constexpr, EVEN_H: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, NUM_PROGRAMS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    tile_t, tile_v = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_T), num_vtiles, GROUP)
-    rows = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tile_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    acc = _logits_tile(
-        hidden_ptr, weight_ptr, weight_ptr, rows % N, cols % V, H,
-        stride_hn, stride_hh, stride_wv, stride_wh,
-        False, BLOCK_T, BLOCK_V, BLOCK_H, EVEN_H, DOT_FP32, INPUT_PRECISION,
-    )
-    valid = (cols < V)[None, :]
-    z_finite = acc * inv_temp
-    z = tl.where(valid, z_finite, float("-inf"))
-    tile_max = tl.max(z, axis=1)  # finite: every tile holds at least one column < V
-    e = exp2_ftz(z * LOG2E - (tile_max * LOG2E)[:, None])
-    row_ok = rows < N
-    at = rows.to(tl.int64) * num_vtiles + tile_v
-    tl.store(part_max_ptr + at, tile_max, mask=row_ok)
-    tl.store(part_sum_ptr + at, tl.sum(e, axis=1), mask=row_ok)
-    if ENTROPY:
-        tl.store(part_zsum_ptr + at, tl.sum(tl.where(valid, e * z_finite, 0.0), axis=1), mask=row_ok)
-    target = tl.load(target_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
-    in_tile = (target >= tile_v * BLOCK_V) & (target < tile_v * BLOCK_V + BLOCK_V) & (target < V)
-    if tl.max(in_tile.to(tl.int32), axis=0) > 0:
+    # Persistent over the tiles, as linear_logp's partials (same logits tiles, same K order).
+    num_ttiles = tl.cdiv(N, BLOCK_T)
+    tile_id_c = tl.program_id(0) - NUM_PROGRAMS
+    for tile_id in tl.range(tl.program_id(0), num_ttiles * num_vtiles, NUM_PROGRAMS, flatten=True):
+        tile_t, tile_v = _grouped_tile(tile_id, num_ttiles, num_vtiles, GROUP)
+        acc = _logits_tile(h_desc, w_desc, tile_t * BLOCK_T, tile_v * BLOCK_V, H,
+                           BLOCK_T, BLOCK_V, BLOCK_H, DOT_FP32, INPUT_PRECISION)
+        tile_id_c += NUM_PROGRAMS
+        tile_t, tile_v = _grouped_tile(tile_id_c, num_ttiles, num_vtiles, GROUP)
+        rows = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = tile_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        valid = (cols < V)[None, :]
+        z_finite = acc * inv_temp
+        z = tl.where(valid, z_finite, float("-inf"))
+        tile_max = tl.max(z, axis=1)  # finite: every tile holds at least one column < V
+        e = exp2_ftz(z * LOG2E - (tile_max * LOG2E)[:, None])
+        row_ok = rows < N
+        at = rows.to(tl.int64) * num_vtiles + tile_v
+        tl.store(part_max_ptr + at, tile_max, mask=row_ok)
+        tl.store(part_sum_ptr + at, tl.sum(e, axis=1), mask=row_ok)
+        if ENTROPY:
+            tl.store(part_zsum_ptr + at, tl.sum(tl.where(valid, e * z_finite, 0.0), axis=1), mask=row_ok)
+        target = tl.load(target_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
+        in_tile = (target >= tile_v * BLOCK_V) & (target < tile_v * BLOCK_V + BLOCK_V) & (target < V)
         picked = tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
         tl.store(target_logit_ptr + rows, picked, mask=row_ok & in_tile)
 
@@ -217,46 +218,42 @@ def _token_terms_kernel(
     tl.store(lower_ptr + offs, lower, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _policy_dlogits_kernel(
-    hidden_ptr, weight_ptr, target_ptr, lse_ptr, mean_z_ptr, a_ptr, b_ptr, dlogits_ptr,
-    N, V, H, v_start, v_stop, inv_temp, stride_hn, stride_hh, stride_wv, stride_wh, stride_dn,
+    h_desc, w_desc, target_ptr, lse_ptr, mean_z_ptr, a_ptr, b_ptr, dlogits_ptr,
+    N, V, H, v_start, v_stop, inv_temp, stride_dn,
     ENTROPY_BONUS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    GROUP: tl.constexpr, EVEN_H: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, NUM_PROGRAMS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     # dlogits[:, v_start:v_stop] from the logits recomputed bit for bit as in the statistics pass.
+    num_ttiles = tl.cdiv(N, BLOCK_T)
     num_vtiles = tl.cdiv(v_stop - v_start, BLOCK_V)
-    tile_t, tile_v = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_T), num_vtiles, GROUP)
-    rows = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    local = tile_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    cols = v_start + local
-    acc = _logits_tile(
-        hidden_ptr, weight_ptr, weight_ptr, rows % N, cols % V, H,
-        stride_hn, stride_hh, stride_wv, stride_wh,
-        False, BLOCK_T, BLOCK_V, BLOCK_H, EVEN_H, DOT_FP32, INPUT_PRECISION,
-    )
-    z = acc * inv_temp
-    row_ok = rows < N
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-    a = tl.load(a_ptr + rows, mask=row_ok, other=0.0)
-    target = tl.load(target_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
-    p = exp2_ftz(z * LOG2E - (lse * LOG2E)[:, None])
-    onehot = tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
-    if ENTROPY_BONUS:
-        b = tl.load(b_ptr + rows, mask=row_ok, other=0.0)
-        mean_z = tl.load(mean_z_ptr + rows, mask=row_ok, other=0.0)
-        dz = a[:, None] * onehot - p * (a[:, None] + b[:, None] * (z - mean_z[:, None]))
-    else:
-        dz = a[:, None] * (onehot - p)
-    ptrs = dlogits_ptr + rows.to(tl.int64)[:, None] * stride_dn + local[None, :]
-    tl.store(ptrs, cast_rne(dz * inv_temp, dlogits_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (cols < v_stop)[None, :])
-
-
-def _launch_opts(cfg, h, dtype) -> dict:
-    return dict(BLOCK_T=cfg["BLOCK_T"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"], GROUP=cfg["GROUP"],
-                EVEN_H=h % cfg["BLOCK_H"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                **_dot_options(dtype))
+    tile_id_c = tl.program_id(0) - NUM_PROGRAMS
+    for tile_id in tl.range(tl.program_id(0), num_ttiles * num_vtiles, NUM_PROGRAMS, flatten=True):
+        tile_t, tile_v = _grouped_tile(tile_id, num_ttiles, num_vtiles, GROUP)
+        acc = _logits_tile(h_desc, w_desc, tile_t * BLOCK_T, v_start + tile_v * BLOCK_V, H,
+                           BLOCK_T, BLOCK_V, BLOCK_H, DOT_FP32, INPUT_PRECISION)
+        tile_id_c += NUM_PROGRAMS
+        tile_t, tile_v = _grouped_tile(tile_id_c, num_ttiles, num_vtiles, GROUP)
+        rows = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        local = tile_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        cols = v_start + local
+        z = acc * inv_temp
+        row_ok = rows < N
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        a = tl.load(a_ptr + rows, mask=row_ok, other=0.0)
+        target = tl.load(target_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
+        p = exp2_ftz(z * LOG2E - (lse * LOG2E)[:, None])
+        onehot = tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
+        if ENTROPY_BONUS:
+            b = tl.load(b_ptr + rows, mask=row_ok, other=0.0)
+            mean_z = tl.load(mean_z_ptr + rows, mask=row_ok, other=0.0)
+            dz = a[:, None] * onehot - p * (a[:, None] + b[:, None] * (z - mean_z[:, None]))
+        else:
+            dz = a[:, None] * (onehot - p)
+        ptrs = dlogits_ptr + rows.to(tl.int64)[:, None] * stride_dn + local[None, :]
+        tl.store(ptrs, cast_rne(dz * inv_temp, dlogits_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (cols < v_stop)[None, :])
 
 
 def _statistics(rows, w, targets, inv_temp, entropy, cfg):
@@ -272,13 +269,16 @@ def _statistics(rows, w, targets, inv_temp, entropy, cfg):
     part_sum = torch.empty_like(part_max)
     part_zsum = torch.empty_like(part_max) if entropy else part_max
     target_logit = torch.empty(min(tc, n), **f32)
+    w_desc = tma_descriptor(w, [cfg["BLOCK_V"], cfg["BLOCK_H"]])
+    programs = num_programs(rows.device)
     for t0 in range(0, n, tc):
         t1 = min(t0 + tc, n)
         m = t1 - t0
-        _stats_partials_kernel[(triton.cdiv(m, cfg["BLOCK_T"]) * num_vtiles,)](
-            rows[t0:t1], w, targets[t0:t1], part_max, part_sum, part_zsum, target_logit,
-            m, v, h, inv_temp, rows.stride(0), rows.stride(1), w.stride(0), w.stride(1), num_vtiles,
-            ENTROPY=entropy, **_launch_opts(cfg, h, rows.dtype),
+        tiles = triton.cdiv(m, cfg["BLOCK_T"]) * num_vtiles
+        _stats_partials_kernel[(min(programs, tiles),)](
+            tma_descriptor(rows[t0:t1], [cfg["BLOCK_T"], cfg["BLOCK_H"]]), w_desc, targets[t0:t1], part_max, part_sum, part_zsum,
+            target_logit, m, v, h, inv_temp, num_vtiles,
+            ENTROPY=entropy, NUM_PROGRAMS=programs, **_tile_options(cfg, rows.dtype),
         )
         _stats_combine_kernel[(m,)](
             part_max, part_sum, part_zsum, target_logit, logp[t0:t1], lse[t0:t1], mean_z[t0:t1], num_vtiles,
@@ -298,20 +298,22 @@ def _gradients(rows, w, targets, lse, mean_z, a, b, inv_temp, cfg, need_hidden, 
     grad_weight = torch.empty_like(w) if need_weight else None
     # dW sums over token chunks in fp32, in chunk order; fp32 weights accumulate in place.
     scratch = None
-    if need_weight and w.dtype != torch.float32:
+    if need_weight and w.dtype != torch.float32 and n > tc:  # one token chunk: one rounding, no scratch
         scratch = torch.empty(min(vc, v), h, dtype=torch.float32, device=rows.device)
+    w_desc = tma_descriptor(w, [cfg["BLOCK_V"], cfg["BLOCK_H"]])
+    h_descs = [tma_descriptor(rows[t0:t0 + tc], [cfg["BLOCK_T"], cfg["BLOCK_H"]]) for t0 in range(0, n, tc)]
+    programs = num_programs(rows.device)
     for v0 in range(0, v, vc):
         v1 = min(v0 + vc, v)
         dw = None if not need_weight else (grad_weight[v0:v1] if scratch is None else scratch[: v1 - v0])
         for t0 in range(0, n, tc):
             t1 = min(t0 + tc, n)
             d = dlogits[: t1 - t0, : v1 - v0]
-            grid = (triton.cdiv(t1 - t0, cfg["BLOCK_T"]) * triton.cdiv(v1 - v0, cfg["BLOCK_V"]),)
-            _policy_dlogits_kernel[grid](
-                rows[t0:t1], w, targets[t0:t1], lse[t0:t1], mean_z[t0:t1] if bonus else lse,
-                a[t0:t1], b[t0:t1] if bonus else a, d,
-                t1 - t0, v, h, v0, v1, inv_temp, rows.stride(0), rows.stride(1), w.stride(0), w.stride(1),
-                d.stride(0), ENTROPY_BONUS=bonus, **_launch_opts(cfg, h, rows.dtype),
+            tiles = triton.cdiv(t1 - t0, cfg["BLOCK_T"]) * triton.cdiv(v1 - v0, cfg["BLOCK_V"])
+            _policy_dlogits_kernel[(min(programs, tiles),)](
+                h_descs[t0 // tc], w_desc, targets[t0:t1], lse[t0:t1], mean_z[t0:t1] if bonus else lse,
+                a[t0:t1], b[t0:t1] if bonus else a, d, t1 - t0, v, h, v0, v1, inv_temp, d.stride(0),
+                ENTROPY_BONUS=bonus, NUM_PROGRAMS=programs, **_tile_options(cfg, rows.dtype),
             )
             if need_hidden:
                 _matmul(d, w[v0:v1], grad_hidden[t0:t1], accumulate=v0 > 0, gemm=cfg["DH"])
@@ -435,23 +437,22 @@ def _loss_setup_context(ctx, inputs, output) -> None:
 SCALE_ROWS = 8192
 
 
-def _scaled(grad: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """grad * g computed in fp32 and rounded once to grad's dtype, slice by slice (same bits as whole)."""
-    out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
-    if grad.numel() == 0:
-        return out
-    rows, rows_out = grad.reshape(-1, grad.shape[-1]), out.view(-1, grad.shape[-1])
-    for start in range(0, rows.shape[0], SCALE_ROWS):
-        rows_out[start:start + SCALE_ROWS] = (rows[start:start + SCALE_ROWS].float() * g).to(grad.dtype)
-    return out
+def _scale_(grad: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """grad *= g in place, computed in fp32 and rounded once to grad's dtype, slice by slice (the bits of
+    the whole product). In place: the forward's gradient is the one returned, never held twice (a
+    second backward through the same graph then fails on the saved tensor's version, loudly)."""
+    rows = grad.view(-1, grad.shape[-1]) if grad.numel() else grad
+    for start in range(0, rows.shape[0] if grad.numel() else 0, SCALE_ROWS):
+        rows[start:start + SCALE_ROWS] = (rows[start:start + SCALE_ROWS].float() * g).to(grad.dtype)
+    return grad
 
 
 def _loss_backward(ctx, grad_loss, *_):
     grad_hidden, grad_weight = ctx.saved_tensors
     # g is 1 for loss.backward(): the multiply is then exact.
     g = grad_loss.to(torch.float32)
-    gh = _scaled(grad_hidden, g) if ctx.need[0] else None
-    gw = _scaled(grad_weight, g) if ctx.need[1] else None
+    gh = _scale_(grad_hidden, g) if ctx.need[0] else None
+    gw = _scale_(grad_weight, g) if ctx.need[1] else None
     return (gh, gw) + (None,) * 16
 
 
