@@ -3,14 +3,15 @@
 logp[n] = z[n, t_n] - logsumexp_v z[n, v], with z = hidden @ W^T (+ bias), fp32 accumulation.
 
 Forward (two kernels):
-  1. `_partials_kernel`: one program per [BLOCK_T tokens, BLOCK_V vocab] tile computes the logits
-     tile with `tl.dot` (fixed K loop over H), then per token the tile's max and sum of exp, and
-     the target logit when the target falls in the tile. Partials go to [N, cdiv(V, BLOCK_V)].
-     The epilogue's exps are single ex2.approx.ftz ops (logp.exp2_ftz), and the target pick runs
-     only in tiles that hold some row's target (about one in ten).
+  1. `_partials_kernel`: for each [BLOCK_T tokens, BLOCK_V vocab] tile, the logits tile with
+     `tl.dot` on TMA loads (fixed K loop over H), then per token the tile's max and sum of exp, and
+     the target logit where the target falls in the tile. Partials go to [N, cdiv(V, BLOCK_V)].
+     Persistent (one program per SM striding over the tiles, the loops flattened), so a tile's
+     epilogue overlaps the next tile's loads: 8.74 -> 7.73 ms at N = 4096 on the H200 (1.05x a cuBLAS
+     GEMM of the same shape). The epilogue's exps are single ex2.approx.ftz ops (logp.exp2_ftz).
   2. `_combine_kernel`: one program per token folds its partials in vocabulary order -> lse, logp.
 Backward, for each vocabulary chunk of VOCAB_CHUNK columns (a fixed size, fixed order):
-  1. `_dlogits_kernel` recomputes the logits tile exactly as the forward did and writes
+  1. `_dlogits_kernel` (persistent, as the forward) recomputes the logits tile exactly as the forward did and writes
      dlogits = g * (onehot - exp(z - lse)) for the chunk ([N, VOCAB_CHUNK], compute dtype);
   2. `_matmul_kernel`: grad_hidden (fp32 accumulator) += dlogits @ W[chunk];
   3. `_matmul_kernel`: grad_W[chunk] = dlogits^T @ hidden, a program owning a [BLOCK_M, BLOCK_N]

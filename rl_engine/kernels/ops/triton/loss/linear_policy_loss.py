@@ -32,12 +32,15 @@ upstream scalar (exact for loss.backward()). The harness's per-token view (`_Tok
 takes any upstream and recomputes through the same kernels in backward.
 
 Memory beyond inputs and gradients: partials [TOKEN_CHUNK, V / BLOCK_V] x 3, one dlogits piece
-[TOKEN_CHUNK, VOCAB_CHUNK], an fp32 dhidden [N, H] and an fp32 dW piece [VOCAB_CHUNK, H]; autograd's
-backward then holds the computed gradients and their scaled copies (scaled SCALE_ROWS rows at a time:
-until 2026-11-30 a whole fp32 copy of dW and its product, 5 GB at V = 151936, H = 4096, were the
-bulk of the 6.3 GB the benchmark measured; the H200 has not measured the change yet).
+[TOKEN_CHUNK, VOCAB_CHUNK], an fp32 dhidden [N, H] and, past one token chunk, an fp32 dW piece
+[VOCAB_CHUNK, H]. The fp32 dhidden alone is 2H/V of the bf16 logits' size (5.4% at Qwen3's H = 4096,
+V = 151936). Autograd's backward scales the forward's gradients in place (`scale_gradient_`, no pass
+at all for loss.backward()) and asks for no zero-filled upstreams of the other outputs: until
+2026-12-01 a second [V,H] gradient and a zero [V,H] upstream were the bulk of the measured work memory.
 Work: the logits GEMM runs twice (statistics, then recompute for the gradient) plus the two
-gradient GEMMs: 4 GEMMs of work; keeping the chunk's logits to save one would cost TOKEN_CHUNK x V.
+gradient GEMMs: 4 GEMMs of work. Three would need the logits of a token chunk kept until its lse is
+known ([TOKEN_CHUNK, V]) or dW accumulated in fp32 across token chunks ([V, H] fp32): both far above
+the memory goal.
 """
 
 from __future__ import annotations
@@ -276,8 +279,8 @@ def _statistics(rows, w, targets, inv_temp, entropy, cfg):
         m = t1 - t0
         tiles = triton.cdiv(m, cfg["BLOCK_T"]) * num_vtiles
         _stats_partials_kernel[(min(programs, tiles),)](
-            tma_descriptor(rows[t0:t1], [cfg["BLOCK_T"], cfg["BLOCK_H"]]), w_desc, targets[t0:t1], part_max, part_sum, part_zsum,
-            target_logit, m, v, h, inv_temp, num_vtiles,
+            tma_descriptor(rows[t0:t1], [cfg["BLOCK_T"], cfg["BLOCK_H"]]), w_desc, targets[t0:t1],
+            part_max, part_sum, part_zsum, target_logit, m, v, h, inv_temp, num_vtiles,
             ENTROPY=entropy, NUM_PROGRAMS=programs, **_tile_options(cfg, rows.dtype),
         )
         _stats_combine_kernel[(m,)](
@@ -429,31 +432,41 @@ def _(hidden, weight, target_ids, advantages, old_logprobs, ref_logprobs, mask, 
 
 def _loss_setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(output[6], output[7])
+    # Only the loss carries a gradient: no zero-filled [V,H] and [N,H] upstreams for the other outputs.
+    ctx.set_materialize_grads(False)
     ctx.need = (inputs[-2], inputs[-1])
 
 
-# Rows of a gradient scaled per slice in backward: the fp32 temporaries of a [V,H] weight gradient
-# (2 x 2.5 GB at Qwen3-8B's vocabulary) shrink to two slices of this many rows.
-SCALE_ROWS = 8192
+@triton.jit
+def _scale_kernel(grad_ptr, g_ptr, n, BLOCK: tl.constexpr):
+    g = tl.load(g_ptr)
+    if g != 1.0:  # loss.backward() passes 1: then not one byte is read or written
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        x = tl.load(grad_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(grad_ptr + offs, cast_rne(x * g, grad_ptr.dtype.element_ty), mask=ok)
 
 
-def _scale_(grad: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """grad *= g in place, computed in fp32 and rounded once to grad's dtype, slice by slice (the bits of
-    the whole product). In place: the forward's gradient is the one returned, never held twice (a
-    second backward through the same graph then fails on the saved tensor's version, loudly)."""
-    rows = grad.view(-1, grad.shape[-1]) if grad.numel() else grad
-    for start in range(0, rows.shape[0] if grad.numel() else 0, SCALE_ROWS):
-        rows[start:start + SCALE_ROWS] = (rows[start:start + SCALE_ROWS].float() * g).to(grad.dtype)
-    return grad
+@torch.library.custom_op("rl_engine::scale_gradient_", mutates_args=("grad",))
+def scale_gradient_(grad: torch.Tensor, g: torch.Tensor) -> None:
+    """grad *= g in place (contiguous grad, 0-dim g): the fp32 product rounded once to grad's dtype.
+
+    In place, so that the gradient the forward computed is the one returned, never held twice (a
+    second backward through the same graph fails on the saved tensor's version, loudly). One pass
+    over a [V,H] gradient, none when g is 1; a custom op so that torch.compile traces the backward."""
+    n = grad.numel()
+    if n:
+        block = 16 if interpreting() else 4096
+        _scale_kernel[(triton.cdiv(n, block),)](grad, g.reshape(1).to(torch.float32), n, BLOCK=block)
 
 
 def _loss_backward(ctx, grad_loss, *_):
     grad_hidden, grad_weight = ctx.saved_tensors
-    # g is 1 for loss.backward(): the multiply is then exact.
     g = grad_loss.to(torch.float32)
-    gh = _scale_(grad_hidden, g) if ctx.need[0] else None
-    gw = _scale_(grad_weight, g) if ctx.need[1] else None
-    return (gh, gw) + (None,) * 16
+    for grad, need in zip((grad_hidden, grad_weight), ctx.need, strict=True):
+        if need:
+            scale_gradient_(grad, g)
+    return (grad_hidden if ctx.need[0] else None, grad_weight if ctx.need[1] else None) + (None,) * 16
 
 
 linear_policy_loss_op.register_autograd(_loss_backward, setup_context=_loss_setup_context)
