@@ -54,6 +54,10 @@ _GPU_CONFIGS = {
     # 2026-11-30 H200 sweep (benchmarks/results/linear_logp_sweeps.json, N = 4096, H = 4096, V = 151936):
     # 128x256 logits tiles with 4 stages and 128x256 gradient GEMMs took forward + backward from 5.63x
     # to about 4.8x a cuBLAS GEMM. 8192-column chunks gained another 2% for 64 MB more at N = 4096: no.
+    # 2026-12-01: the persistent TMA logits kernels: the recompute runs at 0.185 ms per chunk, cuBLAS's
+    # speed for that GEMM; DH / DW (0.22 / 0.19 ms, cuBLAS 0.175 / 0.179) are what is left. Making
+    # `_matmul_kernel` persistent with pointer loads made them 4-35x slower
+    # (docs/evidence/h200_probe_persistent_pointer_gemms_7b637bf.log): not that way.
     "16bit": dict(BLOCK_T=128, BLOCK_V=256, BLOCK_H=64, GROUP=16, num_warps=8, num_stages=4, VOCAB_CHUNK=4096,
                   DLOGITS_MAXNREG=None, DH=_gemm(128, 256, 64, 8, 3), DW=_gemm(128, 256, 64, 8, 4)),
     "fp32": dict(BLOCK_T=64, BLOCK_V=64, BLOCK_H=32, GROUP=16, num_warps=4, num_stages=2, VOCAB_CHUNK=4096,
