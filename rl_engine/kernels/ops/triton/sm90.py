@@ -149,19 +149,21 @@ def compile_matmul(variant: str):
     return _compile(mm._matmul_tma_kernel, constants, types, cfg.num_warps, stages)
 
 
-LINEAR_LOGP_KERNELS = ("partials", "combine", "dlogits", "dh", "dw")
+LINEAR_LOGP_KERNELS = ("partials", "combine", "dlogits", "dh", "dw", "policy_stats", "policy_dlogits")
 
 
 def compile_linear_logp(kind: str, dtype: torch.dtype):
     """linear_logp's kernels at its GPU configuration (Qwen3-8B: V = 151936, H = 4096): the forward's
-    logits partials and combine, the backward's logits recompute and its two gradient GEMMs."""
+    logits partials and combine, the backward's logits recompute and its two gradient GEMMs; and the
+    fused policy loss's statistics and gradient-logits kernels (with the entropy terms: their largest)."""
     from rl_engine.kernels.ops.triton.loss import linear_logp as ll
+    from rl_engine.kernels.ops.triton.loss import linear_policy_loss as pl
 
     cfg = dict(ll._GPU_CONFIGS["fp32" if dtype == torch.float32 else "16bit"])
     element = "*bf16" if dtype == torch.bfloat16 else "*fp32"
     precision = dot_precision(dtype)  # the interpreter is off here: the GPU's choice
     tiles = dict(BLOCK_T=cfg["BLOCK_T"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"], GROUP=cfg["GROUP"],
-                 HAS_BIAS=False, NUM_PROGRAMS=132, DOT_FP32=False, INPUT_PRECISION=precision)
+                 NUM_PROGRAMS=132, DOT_FP32=False, INPUT_PRECISION=precision)
     fp32_ptrs = {"part_max_ptr", "part_sum_ptr", "target_logit_ptr", "logp_ptr", "lse_ptr", "grad_out_ptr"}
     blocks = {"h_desc": [cfg["BLOCK_T"], cfg["BLOCK_H"]], "w_desc": [cfg["BLOCK_V"], cfg["BLOCK_H"]]}
 
@@ -170,15 +172,24 @@ def compile_linear_logp(kind: str, dtype: torch.dtype):
             return f"tensordesc<{element[1:]}[{blocks[name][0]}, {blocks[name][1]}]>"
         if name == "target_ptr":
             return "*i64"
+        if name == "inv_temp":
+            return "fp32"
+        if kind.startswith("policy") and name != "dlogits_ptr" and name.endswith("_ptr"):
+            return "*fp32"
         if name in fp32_ptrs:
             return "*fp32"
         return element if name.endswith("_ptr") else "i32"
 
+    warps, stages = cfg["num_warps"], cfg["num_stages"]
+    if kind == "policy_stats":
+        return _compile(pl._stats_partials_kernel, dict(tiles, ENTROPY=True), types, warps, stages)
+    if kind == "policy_dlogits":
+        return _compile(pl._policy_dlogits_kernel, dict(tiles, ENTROPY_BONUS=True), types, warps, stages)
     if kind == "combine":
         return _compile(ll._combine_kernel, {"BLOCK": 2048}, types, 4, 1)
     if kind in ("partials", "dlogits"):
         fn = ll._partials_kernel if kind == "partials" else ll._dlogits_kernel
-        return _compile(fn, tiles, types, cfg["num_warps"], cfg["num_stages"])
+        return _compile(fn, dict(tiles, HAS_BIAS=False), types, cfg["num_warps"], cfg["num_stages"])
     gemm = cfg["DH" if kind == "dh" else "DW"]
     constants = dict(BLOCK_M=gemm["BLOCK_M"], BLOCK_N=gemm["BLOCK_N"], BLOCK_K=gemm["BLOCK_K"], GROUP=gemm["GROUP"],
                      ROW_SUM=False, EVEN_K=True, DOT_FP32=False, INPUT_PRECISION=precision,
