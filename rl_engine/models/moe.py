@@ -34,6 +34,7 @@ from collections.abc import Callable
 import torch
 
 from rl_engine.batch_invariant import tree_sum
+from rl_engine.kernels.ops.triton import moe as moe_kernels
 
 # The router's expert axis is padded to a multiple of this (and to a power of two, for the tree).
 ROUTER_PAD = 64
@@ -119,7 +120,39 @@ class Dispatch:
 
 # The slot loops below gather one slot ([T,H]) at a time and let each fp32 operation read the bf16 rows
 # (an exact upcast inside the op): the same fp32 operations, in the same order, as on a [T,k,H] fp32
-# copy of the gathered rows, without that copy or a per-slot one.
+# copy of the gathered rows, without that copy or a per-slot one. On CUDA the same operations run as
+# one Triton kernel each (rl_engine.kernels.ops.triton.moe), with these bits: about 140 fewer launches
+# per layer.
+
+
+def combine_torch(rows, weights, row_of_slot):
+    w = weights.to(_acc(rows))
+    acc = w[:, 0, None] * rows[row_of_slot[:, 0]]
+    for s in range(1, row_of_slot.shape[1]):
+        acc = acc + w[:, s, None] * rows[row_of_slot[:, s]]
+    return acc.to(rows.dtype)
+
+
+def combine_backward_torch(grad_out, rows, weights, row_of_slot):
+    g = grad_out.to(_acc(rows))
+    w = weights.to(g.dtype)
+    grad_rows = torch.empty_like(rows)
+    grad_weights = torch.empty_like(w)
+    for s in range(row_of_slot.shape[1]):
+        grad_rows[row_of_slot[:, s]] = (w[:, s, None] * g).to(rows.dtype)  # each row once: a copy
+        grad_weights[:, s] = tree_sum(g * rows[row_of_slot[:, s]])
+    return grad_rows, grad_weights
+
+
+def permute_backward_torch(grad_rows, row_of_slot):
+    acc = grad_rows[row_of_slot[:, 0]].to(_acc(grad_rows))
+    for s in range(1, row_of_slot.shape[1]):
+        acc = acc + grad_rows[row_of_slot[:, s]]
+    return acc.to(grad_rows.dtype)
+
+
+def _on_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda and t.dtype != torch.float64
 
 
 class _Permute(torch.autograd.Function):
@@ -133,10 +166,8 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows):
         (row_of_slot,) = ctx.saved_tensors
-        acc = grad_rows[row_of_slot[:, 0]].to(_acc(grad_rows))
-        for s in range(1, row_of_slot.shape[1]):
-            acc = acc + grad_rows[row_of_slot[:, s]]
-        return acc.to(grad_rows.dtype), None, None
+        backward = moe_kernels.permute_backward if _on_triton(grad_rows) else permute_backward_torch
+        return backward(grad_rows, row_of_slot), None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -145,22 +176,13 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, weights, row_of_slot):
         ctx.save_for_backward(rows, weights, row_of_slot)
-        w = weights.to(_acc(rows))
-        acc = w[:, 0, None] * rows[row_of_slot[:, 0]]
-        for s in range(1, row_of_slot.shape[1]):
-            acc = acc + w[:, s, None] * rows[row_of_slot[:, s]]
-        return acc.to(rows.dtype)
+        return (moe_kernels.combine if _on_triton(rows) else combine_torch)(rows, weights, row_of_slot)
 
     @staticmethod
     def backward(ctx, grad_out):
         rows, weights, row_of_slot = ctx.saved_tensors
-        g = grad_out.to(_acc(rows))
-        w = weights.to(g.dtype)
-        grad_rows = torch.empty_like(rows)
-        grad_weights = torch.empty_like(w)
-        for s in range(row_of_slot.shape[1]):
-            grad_rows[row_of_slot[:, s]] = (w[:, s, None] * g).to(rows.dtype)  # each row once: a copy
-            grad_weights[:, s] = tree_sum(g * rows[row_of_slot[:, s]])
+        backward = moe_kernels.combine_backward if _on_triton(rows) else combine_backward_torch
+        grad_rows, grad_weights = backward(grad_out, rows, weights, row_of_slot)
         return grad_rows, grad_weights.to(weights.dtype), None
 
 

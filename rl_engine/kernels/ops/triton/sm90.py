@@ -205,12 +205,41 @@ def compile_linear_logp(kind: str, dtype: torch.dtype):
     return _compile(ll._matmul_kernel, constants, gemm_types, gemm["num_warps"], gemm["num_stages"])
 
 
+MOE_KERNELS = ("combine", "combine_backward", "permute_backward")
+
+
+def compile_moe(kind: str):
+    """The MoE combine / permute-backward kernel at Qwen3-30B-A3B's hidden 2048, k = 8, bf16, with the
+    launch options the model uses (which must forbid fma contraction: torch rounds mul and add apart)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from rl_engine.kernels.ops.triton import moe
+
+    fn = {"combine": moe._combine_kernel, "combine_backward": moe._combine_backward_kernel,
+          "permute_backward": moe._permute_backward_kernel}[kind]
+    launch = moe._launch_options(2048)
+    constants = {"TOP_K": 8, "BLOCK_H": launch["BLOCK_H"], "LOG_H": moe._log2(launch["BLOCK_H"])}
+    names = fn.arg_names
+    constants = {k: v for k, v in constants.items() if k in names}
+    signature = {n: "constexpr" if n in constants else
+                 "*i64" if n == "slot_ptr" else "*fp32" if n == "grad_w_ptr" else
+                 "*bf16" if n.endswith("_ptr") else "i32" for n in names}
+    source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()},
+                       attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names
+                              if n.endswith("_ptr") or n in ("H", "stride_r", "stride_o", "stride_g")})
+    options = {k: v for k, v in launch.items() if k not in constants}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(options, num_stages=1))
+
+
 def _summary(kernel, registers: bool = False) -> dict:
     ptx = kernel.asm["ptx"]
     # scalar_loads: 16-bit global loads one element at a time, where a contiguous tile should come in
     # 16-byte async copies (a grouped GEMM whose operand lost its contiguity was 5x slower on the H200).
     summary = {"shared": kernel.metadata.shared, "cubin": len(kernel.asm.get("cubin", b"")),
-               "wgmma": ptx.count("wgmma.mma_async"), "scalar_loads": len(re.findall(r"ld\.global\.[bu]16", ptx))}
+               "wgmma": ptx.count("wgmma.mma_async"), "scalar_loads": len(re.findall(r"ld\.global\.[bu]16", ptx)),
+               "fma": len(re.findall(r"\bfma\.rn\.f32", ptx))}
     if registers:
         summary.update(ptxas_registers(ptx))
     return summary
@@ -268,6 +297,8 @@ def main(argv=None) -> int:
                 record(f"grouped_{kind}/{name}", functools.partial(compile_grouped_matmul, kind, dtype))
             for kind in LINEAR_LOGP_KERNELS:
                 record(f"linear_logp_{kind}/{name}", functools.partial(compile_linear_logp, kind, dtype))
+        for kind in MOE_KERNELS:
+            record(f"moe_{kind}/bf16", functools.partial(compile_moe, kind))
         for variant in MATMUL_VARIANTS:
             record(f"matmul_{variant}/bf16", functools.partial(compile_matmul, variant))
     for dtype, head_dim in cases:

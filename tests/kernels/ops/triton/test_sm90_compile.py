@@ -13,7 +13,13 @@ import sys
 
 import pytest
 
-from rl_engine.kernels.ops.triton.sm90 import ATTENTION_KERNELS, H200_SHARED_BYTES, LINEAR_LOGP_KERNELS, MATMUL_VARIANTS
+from rl_engine.kernels.ops.triton.sm90 import (
+    ATTENTION_KERNELS,
+    H200_SHARED_BYTES,
+    LINEAR_LOGP_KERNELS,
+    MATMUL_VARIANTS,
+    MOE_KERNELS,
+)
 
 # One case per tile class of attention_config: small heads, a padded head (80), the main bf16 tiles,
 # 256-lane heads, and fp32's two classes.
@@ -63,6 +69,28 @@ def test_linear_logp_compiles_for_the_h200(report, kind, dtype):
     result = report[f"linear_logp_{kind}/{dtype}"]
     assert "error" not in result, result["error"]
     assert result["cubin"] > 0 and result["shared"] <= H200_SHARED_BYTES, result
+
+
+@pytest.mark.parametrize("kind", MOE_KERNELS)
+def test_moe_combine_kernels_compile_without_fma_contraction(report, kind):
+    # Their bits equal torch's only while every product and sum is rounded on its own (no fma).
+    result = report[f"moe_{kind}/bf16"]
+    assert "error" not in result, result["error"]
+    assert result["cubin"] > 0 and result["fma"] == 0, result
+
+
+def test_the_fma_count_sees_a_contraction():
+    # Planted: the combine compiled with fp fusion on contracts its multiply-adds.
+    code = (
+        "import json, unittest.mock as m\n"
+        "from rl_engine.kernels.ops.triton import moe, sm90\n"
+        "with m.patch.object(moe, '_NO_FMA', {}):\n"
+        "    print(json.dumps(sm90._summary(sm90.compile_moe('combine'))))\n"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["fma"] > 0
 
 
 @pytest.mark.parametrize("variant", MATMUL_VARIANTS)
