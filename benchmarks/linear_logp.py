@@ -50,14 +50,13 @@ MAIN_TOKENS = 4096
 # Logits tiles (forward partials + backward recompute). ptxas, sm_90: 128x128 119 regs, 96 KB smem
 # (2 CTAs/SM); 128x256 and 256x128 ~235 regs, 144 KB (s3) / 192 KB (s4) smem, no spills (1 CTA/SM).
 TILE_SWEEP = [
-    dict(BLOCK_T=128, BLOCK_V=128, BLOCK_H=64, num_warps=8, num_stages=3, DLOGITS_MAXNREG=None),
-    dict(BLOCK_T=128, BLOCK_V=128, BLOCK_H=64, num_warps=8, num_stages=3, DLOGITS_MAXNREG=128),
-    dict(BLOCK_T=128, BLOCK_V=256, BLOCK_H=64, num_warps=8, num_stages=3, DLOGITS_MAXNREG=None),
-    dict(BLOCK_T=128, BLOCK_V=256, BLOCK_H=64, num_warps=8, num_stages=4, DLOGITS_MAXNREG=None),
-    dict(BLOCK_T=256, BLOCK_V=128, BLOCK_H=64, num_warps=8, num_stages=3, DLOGITS_MAXNREG=None),
-    dict(BLOCK_T=256, BLOCK_V=128, BLOCK_H=64, num_warps=8, num_stages=4, DLOGITS_MAXNREG=None),
-    dict(BLOCK_T=128, BLOCK_V=128, BLOCK_H=64, num_warps=4, num_stages=4, DLOGITS_MAXNREG=None),
-    dict(BLOCK_T=128, BLOCK_V=128, BLOCK_H=128, num_warps=8, num_stages=3, DLOGITS_MAXNREG=None),
+    dict(BLOCK_T=128, BLOCK_V=128, BLOCK_H=64, num_warps=8, num_stages=3),
+    dict(BLOCK_T=128, BLOCK_V=256, BLOCK_H=64, num_warps=8, num_stages=3),
+    dict(BLOCK_T=128, BLOCK_V=256, BLOCK_H=64, num_warps=8, num_stages=4),
+    dict(BLOCK_T=256, BLOCK_V=128, BLOCK_H=64, num_warps=8, num_stages=3),
+    dict(BLOCK_T=256, BLOCK_V=128, BLOCK_H=64, num_warps=8, num_stages=4),
+    dict(BLOCK_T=128, BLOCK_V=128, BLOCK_H=64, num_warps=4, num_stages=4),
+    dict(BLOCK_T=128, BLOCK_V=128, BLOCK_H=128, num_warps=8, num_stages=3),
 ]
 # Gradient-GEMM tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for dH and dW, timed alone.
 GEMM_SWEEP = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3),
@@ -65,12 +64,9 @@ GEMM_SWEEP = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), 
 # Complete backward configs: overrides of the shipped 16-bit config.
 BWD_SWEEP = [
     {},
-    dict(DLOGITS_MAXNREG=128),
     dict(VOCAB_CHUNK=8192),
     dict(DH=ours._gemm(128, 256, 64, 8, 3), DW=ours._gemm(128, 256, 64, 8, 3)),
     dict(DH=ours._gemm(128, 256, 64, 8, 3), DW=ours._gemm(128, 256, 64, 8, 3), VOCAB_CHUNK=8192),
-    dict(DLOGITS_MAXNREG=128, DH=ours._gemm(128, 256, 64, 8, 3), DW=ours._gemm(128, 256, 64, 8, 3),
-         VOCAB_CHUNK=8192),
     dict(BLOCK_T=128, BLOCK_V=256, DH=ours._gemm(128, 256, 64, 8, 3), DW=ours._gemm(128, 256, 64, 8, 3),
          VOCAB_CHUNK=8192),
 ]
@@ -223,8 +219,7 @@ def bwd_kernel_sweep(tokens, warmup, rep) -> list[dict]:
     add("cublas h@W^T (recompute)", "-", lambda: rows2d @ w_chunk.t())
     for tiles in TILE_SWEEP:
         t = {**cfg, **tiles}
-        label = f"{t['BLOCK_T']}x{t['BLOCK_V']}x{t['BLOCK_H']}/w{t['num_warps']}s{t['num_stages']}" + \
-            (f" maxnreg {t['DLOGITS_MAXNREG']}" if t["DLOGITS_MAXNREG"] else "")
+        label = f"{t['BLOCK_T']}x{t['BLOCK_V']}x{t['BLOCK_H']}/w{t['num_warps']}s{t['num_stages']}"
         add("dlogits recompute", label,
             lambda t=t: ours._dlogits(ours.logits_descriptors(rows2d, weight, t), rows2d, weight, None, targets1d,
                                       lse, grad_out, d, chunk, 2 * chunk, t))
@@ -259,7 +254,7 @@ SWEEP_COLUMNS = ["fwd_ms", "bwd_ms", "fwd_x_gemm", "fwd_bwd_x_gemm", "bwd_extra_
 
 def print_sweeps(tiles, bwd_kernels, bwd_configs) -> None:
     if tiles:
-        print_table(tiles, ["BLOCK_T", "BLOCK_V", "BLOCK_H", "num_warps", "num_stages", "DLOGITS_MAXNREG",
+        print_table(tiles, ["BLOCK_T", "BLOCK_V", "BLOCK_H", "num_warps", "num_stages",
                             *SWEEP_COLUMNS])
     if bwd_kernels:
         print_table(bwd_kernels, ["kernel", "tiles", "ms", "tflop_per_s", "error"])

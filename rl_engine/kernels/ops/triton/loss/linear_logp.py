@@ -48,8 +48,6 @@ def _gemm(block_m, block_n, block_k, num_warps, num_stages, group=16) -> dict:
 # the logits tiles of the forward and of the backward's recompute (which must match the forward's
 # tile shapes and K order bit for bit); DH and DW are the backward's gradient GEMMs, with their own
 # tiles (they change no forward bit). `benchmarks/linear_logp.py --tile-sweep / --bwd-sweep`.
-# DLOGITS_MAXNREG caps the recompute kernel's registers (ptxas: 129 at 128x128 tiles, which leaves
-# one CTA per SM; 128 fit without spills and allow two). Register allocation changes no bit.
 _GPU_CONFIGS = {
     # 2026-11-30 H200 sweep (benchmarks/results/linear_logp_sweeps.json, N = 4096, H = 4096, V = 151936):
     # 128x256 logits tiles with 4 stages and 128x256 gradient GEMMs took forward + backward from 5.63x
@@ -59,13 +57,13 @@ _GPU_CONFIGS = {
     # `_matmul_kernel` persistent with pointer loads made them 4-35x slower
     # (docs/evidence/h200_probe_persistent_pointer_gemms_7b637bf.log): not that way.
     "16bit": dict(BLOCK_T=128, BLOCK_V=256, BLOCK_H=64, GROUP=16, num_warps=8, num_stages=4, VOCAB_CHUNK=4096,
-                  DLOGITS_MAXNREG=None, DH=_gemm(128, 256, 64, 8, 3), DW=_gemm(128, 256, 64, 8, 4)),
+                  DH=_gemm(128, 256, 64, 8, 3), DW=_gemm(128, 256, 64, 8, 4)),
     "fp32": dict(BLOCK_T=64, BLOCK_V=64, BLOCK_H=32, GROUP=16, num_warps=4, num_stages=2, VOCAB_CHUNK=4096,
-                 DLOGITS_MAXNREG=None, DH=_gemm(64, 64, 32, 4, 2), DW=_gemm(64, 64, 32, 4, 2)),
+                 DH=_gemm(64, 64, 32, 4, 2), DW=_gemm(64, 64, 32, 4, 2)),
 }
 # Small tiles under the CPU interpreter, so tests at V ~ 100, H ~ 32 cross tile and chunk borders.
 _INTERPRETER_CONFIG = dict(BLOCK_T=16, BLOCK_V=16, BLOCK_H=16, GROUP=2, num_warps=1, num_stages=1, VOCAB_CHUNK=32,
-                           DLOGITS_MAXNREG=None, DH=_gemm(16, 16, 16, 1, 1, group=2),
+                           DH=_gemm(16, 16, 16, 1, 1, group=2),
                            DW=_gemm(16, 16, 16, 1, 1, group=2))
 
 
@@ -344,11 +342,10 @@ def _dlogits(descs, hidden, weight, bias, targets, lse, grad_out, d, v_start, v_
     v = weight.shape[0]
     tiles = triton.cdiv(n, cfg["BLOCK_T"]) * triton.cdiv(v_stop - v_start, cfg["BLOCK_V"])
     programs = num_programs(hidden.device)
-    maxnreg = {"maxnreg": cfg["DLOGITS_MAXNREG"]} if cfg.get("DLOGITS_MAXNREG") else {}
     _dlogits_kernel[(min(programs, tiles),)](
         *descs, bias if bias is not None else weight, targets, lse, grad_out, d,
         n, v, h, v_start, v_stop, d.stride(0), HAS_BIAS=bias is not None, NUM_PROGRAMS=programs,
-        **maxnreg, **_tile_options(cfg, hidden.dtype),
+        **_tile_options(cfg, hidden.dtype),
     )
 
 
