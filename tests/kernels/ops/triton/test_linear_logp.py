@@ -69,7 +69,8 @@ def _grad_out(b, s, seed=7):
     return torch.randn(b, s, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
-CASES = [(2, 3, 37, 16, False), (3, 7, 100, 32, True), (2, 3, 64, 24, True)]
+# H = 20 in bf16: 40-byte rows, which TMA cannot read; the kernels read a zero-padded copy.
+CASES = [(2, 3, 37, 16, False), (3, 7, 100, 32, True), (2, 3, 64, 24, True), (2, 3, 37, 20, False)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -148,6 +149,26 @@ def test_deterministic_bitwise_including_weight_and_bias_grads():
     assert torch.equal(first_out, second_out)
     for name in first:
         assert torch.equal(first[name], second[name]), name
+
+
+@pytest.mark.parametrize("h", [20, 24])
+def test_layouts_tma_cannot_read_give_the_contiguous_bits(h):
+    # The logits kernels read hidden and W through TMA descriptors, which need unit column strides and
+    # 16-byte aligned rows. Anything else (a misaligned slice of a wider tensor, a column-major weight,
+    # H = 20 in bf16: 40-byte rows) is read from a zero-padded copy: the same bits as contiguous inputs.
+    inputs = _inputs(2, 9, 37, h, torch.bfloat16, seed=3)
+    grad_out = _grad_out(2, 9)
+    out, grads = _run(TritonLinearLogpOp(), inputs, grad_out)
+    wide = torch.zeros(2, 9, h + 5, dtype=torch.bfloat16, device=DEVICE)
+    wide[..., 1:h + 1] = inputs["hidden"]
+    wide.requires_grad_()
+    weight_t = inputs["lm_head_weight"].t().contiguous().requires_grad_()  # W read column-major
+    strided = TritonLinearLogpOp()(hidden=wide[..., 1:h + 1], lm_head_weight=weight_t.t(),
+                                   target_ids=inputs["target_ids"])
+    strided.backward(grad_out.to(strided.dtype))
+    assert torch.equal(strided, out)
+    assert torch.equal(wide.grad[..., 1:h + 1], grads["hidden"])
+    assert torch.equal(weight_t.grad.t(), grads["lm_head_weight"])
 
 
 def test_frozen_weight_gives_only_the_hidden_gradient():
