@@ -4,7 +4,8 @@ The formulas (verl's PPO/GRPO/DAPO clip, GSPO, k3 KL, entropy, aggregation) are 
 docstring, rl_engine/kernels/ops/pytorch/loss/linear_policy_loss.py. Passes, each over fixed
 TOKEN_CHUNK x VOCAB_CHUNK pieces (constants per dtype, never functions of N):
   1. statistics: `_stats_partials_kernel` computes logits tiles with the linear_logp tile GEMM
-     (`_logits_tile`, logits / temperature) and per tile the max, sum of exp and, for the entropy,
+     (`_logits_tile`: TMA loads, linear_logp's tiles, persistent programs; logits / temperature)
+     and per tile the max, sum of exp and, for the entropy,
      sum of exp * z; `_stats_combine_kernel` folds a token's tiles in vocabulary order -> logp, lse,
      mean logit E[z] (entropy H = lse - E[z]);
   2. sequence statistics (GSPO): `_seq_sum_kernel`, one program per sequence, a fixed-width lane
@@ -40,7 +41,8 @@ at all for loss.backward()) and asks for no zero-filled upstreams of the other o
 Work: the logits GEMM runs twice (statistics, then recompute for the gradient) plus the two
 gradient GEMMs: 4 GEMMs of work. Three would need the logits of a token chunk kept until its lse is
 known ([TOKEN_CHUNK, V]) or dW accumulated in fp32 across token chunks ([V, H] fp32): both far above
-the memory goal.
+the memory goal. H200, N = 4096 / 8192, H = 4096, V = 151936: 4.38x / 4.51x a cuBLAS GEMM of the
+logits' shape, 67 / 168 MB working memory (benchmarks/results/policy_loss.json).
 """
 
 from __future__ import annotations
