@@ -47,6 +47,19 @@ def test_the_triton_combine_has_the_torch_bits(t, k, h, dtype):
     assert _compare(t, k, h, dtype, "cpu") == []
 
 
+def test_strided_rows_give_the_contiguous_bits():
+    # Expert outputs viewed out of a wider buffer: grad_rows must still land row by row.
+    plan, rows, weights, grad_out, grad_rows = _problem(5, 3, 40, 8, torch.float32, "cpu")
+    wide = torch.zeros(rows.shape[0], 56)
+    wide[:, 8:48] = rows
+    view = wide[:, 8:48]
+    slots = plan.row_of_slot
+    assert torch.equal(kernels.combine(view, weights, slots), kernels.combine(rows, weights, slots))
+    for got, want in zip(kernels.combine_backward(grad_out, view, weights, slots),
+                         kernels.combine_backward(grad_out, rows, weights, slots), strict=True):
+        assert torch.equal(got, want)
+
+
 def test_the_comparison_catches_a_reordered_sum(monkeypatch):
     # Planted: the tree summed in the other direction (lower half onto the upper): bits differ.
     def reversed_tree(x):

@@ -90,13 +90,9 @@ def _log2(block: int) -> int:
     return block.bit_length() - 1
 
 
-def _row_major(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def combine(rows: torch.Tensor, weights: torch.Tensor, row_of_slot: torch.Tensor) -> torch.Tensor:
     """out [T,H] in rows' dtype: sum_s (fp32, slot order) of weights[t,s] * rows[row_of_slot[t,s]]."""
-    rows, slots = _row_major(rows), row_of_slot.contiguous()
+    rows, slots = rows.contiguous(), row_of_slot.contiguous()
     t, k = slots.shape
     out = rows.new_empty((t, rows.shape[1]))
     if t:
@@ -108,21 +104,22 @@ def combine(rows: torch.Tensor, weights: torch.Tensor, row_of_slot: torch.Tensor
 def combine_backward(grad_out: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
                      row_of_slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_rows [N,H] in rows' dtype, fp32 grad_weights [T,k]): every permuted row is one slot's."""
-    grad_out, rows, slots = _row_major(grad_out), _row_major(rows), row_of_slot.contiguous()
+    # Contiguous: grad_rows is written with rows' row stride.
+    grad_out, rows, slots = grad_out.contiguous(), rows.contiguous(), row_of_slot.contiguous()
     t, k = slots.shape
-    grad_rows = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+    grad_rows = torch.empty_like(rows)
     grad_w = torch.empty((t, k), dtype=torch.float32, device=rows.device)
     if t:
+        options = _launch_options(rows.shape[1])
         _combine_backward_kernel[(t,)](grad_out, rows, weights.contiguous(), slots, grad_rows, grad_w, rows.shape[1],
-                                       grad_out.stride(0), rows.stride(0), TOP_K=k,
-                                       LOG_H=_log2(triton.next_power_of_2(max(rows.shape[1], 1))),
-                                       **_launch_options(rows.shape[1]))
+                                       grad_out.stride(0), rows.stride(0), TOP_K=k, LOG_H=_log2(options["BLOCK_H"]),
+                                       **options)
     return grad_rows, grad_w
 
 
 def permute_backward(grad_rows: torch.Tensor, row_of_slot: torch.Tensor) -> torch.Tensor:
     """grad_x [T,H] in grad_rows' dtype: a token's k row gradients summed in slot order in fp32."""
-    grad_rows, slots = _row_major(grad_rows), row_of_slot.contiguous()
+    grad_rows, slots = grad_rows.contiguous(), row_of_slot.contiguous()
     t, k = slots.shape
     out = grad_rows.new_empty((t, grad_rows.shape[1]))
     if t:
