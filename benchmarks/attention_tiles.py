@@ -9,6 +9,9 @@ forward, the dQ kernel and the dK/dV kernel are timed with each candidate tile w
 keep today's tiles; a candidate that does not compile (shared memory, registers) is recorded as such.
 SDPA's default backend is timed in the same run for scale. The pick is written to the JSON; moving
 it into `attention_config` is a code change that the GPU gate must then pass.
+Each candidate runs twice, with K/V (forward, dQ) or Q/dO (dK/dV) read through TMA descriptors in the
+unmasked key blocks (what `flash.row_descriptors` gives contiguous 16-bit rows) and through pointer
+loads, and the forward checks that both give the same bits.
 The KV split (`AttentionConfig.kv_split`) is swept the same way: the prefill forward at S = 4096 and
 a decode step (one query per sequence, 8192 cached tokens, batch 1 and 16) for each candidate size,
 with SDPA's decode beside it.
@@ -29,12 +32,14 @@ from rl_engine.kernels.ops.triton.attention.flash import TileConfig
 
 Q_HEADS, KV_HEADS, TOKENS, S = 32, 8, 16384, 4096
 CANDIDATES = {  # (block_m, block_n, num_warps, num_stages); `python -m rl_engine.kernels.ops.triton.sm90
-    # --registers --tile M,N,W,S` screens spills on the CPU (2026-11-30: 64x64/8 warps is the forward's
-    # only tile here without spills; every dK/dV tile spills, 16x64/4 and 64x32/4 the least)
-    "forward": [(64, 64, 4, 3), (64, 64, 8, 3), (64, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3)],
-    "backward_dq": [(64, 64, 4, 2), (64, 32, 4, 2), (32, 128, 8, 2), (128, 128, 8, 2)],
-    "backward_dkdv": [(32, 64, 4, 3), (16, 64, 4, 3), (64, 32, 4, 2), (32, 128, 8, 2), (64, 64, 4, 2)],
+    # --registers --tile M,N,W,S` screens spills on the CPU
+    "forward": [(64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3),
+                (64, 128, 4, 3), (128, 64, 4, 3)],
+    "backward_dq": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 2)],
+    "backward_dkdv": [(32, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 2),
+                      (16, 64, 4, 3)],
 }
+TMA_MODES = {"both": (True, False), "on": (True,), "off": (False,)}
 
 
 KV_SPLITS = (1024, 2048, 4096, 8192)
@@ -61,28 +66,35 @@ def make_inputs(head_dim: int):
     return q, k, v, do, table
 
 
-def with_config(cfg: flash.AttentionConfig, fn) -> dict:
-    """{"ms": median time of fn()} while flash runs `cfg`, or {"error": ...}: a configuration that does
-    not compile (shared memory, registers) is a result of the sweep, not its end."""
-    original = flash.attention_config
+def with_config(cfg: flash.AttentionConfig, fn, tma: bool = True, keep: list | None = None) -> dict:
+    """{"ms": median time of fn()} while flash runs `cfg` (pointer loads only when not `tma`), or
+    {"error": ...}: a configuration that does not compile (shared memory, registers) is a result of the
+    sweep, not its end. `keep` receives fn()'s first result."""
+    original, descriptors = flash.attention_config, flash.row_descriptors
     flash.attention_config = lambda dtype, head_dim: cfg
+    if not tma:
+        flash.row_descriptors = lambda tensors, block_rows: None
     try:
-        fn()
+        result = fn()
+        if keep is not None:
+            keep.append(result)
         torch.cuda.synchronize()
         return {"ms": bench_ms(fn)}
     except Exception as exc:  # noqa: BLE001
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
     finally:
-        flash.attention_config = original
+        flash.attention_config, flash.row_descriptors = original, descriptors
 
 
-def time_kernel(kind: str, tile: TileConfig, base: flash.AttentionConfig, inputs, scale: float) -> dict:
+def time_kernel(kind: str, tile: TileConfig, base: flash.AttentionConfig, inputs, scale: float, tma: bool,
+                keep: list | None = None) -> dict:
     q, k, v, do, table = inputs
     cfg = dataclasses.replace(base, **{kind: tile})
     if kind == "forward":
-        return with_config(cfg, lambda: flash.flash_forward(q, k, v, table, causal=True, scale=scale))
+        return with_config(cfg, lambda: flash.flash_forward(q, k, v, table, causal=True, scale=scale), tma, keep)
     out, lse = flash.flash_forward(q, k, v, table, causal=True, scale=scale)  # the backward's inputs
-    return with_config(cfg, lambda: flash.flash_backward(do, q, k, v, out, lse, table, causal=True, scale=scale))
+    return with_config(cfg, lambda: flash.flash_backward(do, q, k, v, out, lse, table, causal=True, scale=scale),
+                       tma, keep)
 
 
 def kv_split_sweep(head_dim: int, inputs, scale: float) -> list[dict]:
@@ -134,7 +146,7 @@ def sdpa_ms(inputs, backward: bool) -> float:
     return bench_ms(step)
 
 
-def sweep(head_dim: int) -> dict:
+def sweep(head_dim: int, tma_modes=(True, False), kv_split: bool = True) -> dict:
     inputs = make_inputs(head_dim)
     scale = head_dim ** -0.5
     base = flash.attention_config(torch.bfloat16, head_dim)
@@ -144,19 +156,26 @@ def sweep(head_dim: int) -> dict:
     for kind, candidates in CANDIDATES.items():
         rows = []
         for bm, bn, warps, stages in candidates:
-            t0 = time.perf_counter()
-            row = {"tile": [bm, bn, warps, stages], **time_kernel(kind, TileConfig(bm, bn, warps, stages), base,
-                                                                 inputs, scale)}
-            if "ms" in row:
-                flops = fwd_flops if kind == "forward" else bwd_flops
-                row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
-            rows.append(row)
-            print(f"hd {head_dim} {kind:14s} {str(row['tile']):18s} "
-                  + (f"{row['ms']:.3f} ms {row['tflops']:.0f} TFLOP/s" if "ms" in row else row["error"])
-                  + f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
+            outputs = []
+            for tma in tma_modes:
+                t0 = time.perf_counter()
+                row = {"tile": [bm, bn, warps, stages], "tma": tma,
+                       **time_kernel(kind, TileConfig(bm, bn, warps, stages), base, inputs, scale, tma, outputs)}
+                if "ms" in row:
+                    flops = fwd_flops if kind == "forward" else bwd_flops
+                    row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
+                if len(outputs) == 2:  # the same tile through TMA and through pointers: the same bits?
+                    row["bits_equal_to_tma"] = all(torch.equal(a, b) for a, b in zip(*outputs))
+                rows.append(row)
+                print(f"hd {head_dim} {kind:14s} {str(row['tile']):18s} tma={tma!s:5s} "
+                      + (f"{row['ms']:.3f} ms {row['tflops']:.0f} TFLOP/s" if "ms" in row else row["error"])
+                      + (f" bits equal to tma: {row['bits_equal_to_tma']}" if "bits_equal_to_tma" in row else "")
+                      + f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
         timed = [r for r in rows if "ms" in r]
-        result["kernels"][kind] = {"rows": rows, "best": min(timed, key=lambda r: r["ms"])["tile"] if timed else None}
-    result["kv_split"] = kv_split_sweep(head_dim, inputs, scale)
+        best = min(timed, key=lambda r: r["ms"]) if timed else None
+        result["kernels"][kind] = {"rows": rows, "best": best and {"tile": best["tile"], "tma": best["tma"]}}
+    if kv_split:
+        result["kv_split"] = kv_split_sweep(head_dim, inputs, scale)
     fwd = sdpa_ms(inputs, backward=False)
     both = sdpa_ms(inputs, backward=True)
     result["sdpa_default"] = {"forward_ms": fwd, "forward_tflops": fwd_flops / (fwd * 1e-3) / 1e12,
@@ -168,9 +187,20 @@ def sweep(head_dim: int) -> dict:
 def main() -> int:
     parser = arg_parser(__doc__)
     parser.add_argument("--head-dims", default="128,64", help="comma-separated head sizes (default 128,64)")
+    parser.add_argument("--tma", choices=sorted(TMA_MODES), default="both",
+                        help="time each tile with TMA loads, pointer loads, or both (default)")
+    parser.add_argument("--kinds", default=",".join(CANDIDATES), help="kernels to sweep (default: all three)")
+    parser.add_argument("--no-kv-split", action="store_true", help="skip the KV-split sweep")
     args = parse_gpu_args(parser)
+    kinds = args.kinds.split(",")
+    unknown = sorted(set(kinds) - set(CANDIDATES))
+    if unknown:
+        parser.error(f"--kinds: unknown {', '.join(unknown)} (known: {', '.join(CANDIDATES)})")
+    for kind in set(CANDIDATES) - set(kinds):
+        del CANDIDATES[kind]
     report = {"shape": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "tokens": TOKENS, "S": S, "dtype": "bfloat16"},
-              "sweeps": [sweep(int(h)) for h in args.head_dims.split(",")]}
+              "sweeps": [sweep(int(h), TMA_MODES[args.tma], not args.no_kv_split)
+                         for h in args.head_dims.split(",")]}
     write_json(args.out, "attention_tiles", report)
     print(json.dumps({s["head_dim"]: {k: v["best"] for k, v in s["kernels"].items()} for s in report["sweeps"]}))
     return 0

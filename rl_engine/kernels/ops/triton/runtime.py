@@ -19,10 +19,16 @@ from __future__ import annotations
 
 import os
 import re
+import threading
+from typing import TYPE_CHECKING
 
 import numpy
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+if TYPE_CHECKING:
+    import torch
 
 
 def interpreting() -> bool:
@@ -72,6 +78,35 @@ def dot_fp32(dtype) -> bool:
     import torch
 
     return interpreting() and dtype in (torch.bfloat16, torch.float16)
+
+
+def host_descriptor(base: torch.Tensor, shape: list[int], strides: list[int], block_shape: list[int]):
+    """A host TensorDescriptor without its per-call checks, which the caller makes once: a 16-byte
+    aligned base and row stride, a unit last stride, positive sizes, a valid block shape. The checks
+    cost more than the rest of the descriptor (a decode step's host time counts)."""
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = base, shape, strides, block_shape, "zero"
+    return desc
+
+
+_threads_with_context = threading.local()
+
+
+def ensure_cuda_context(device_index: int) -> None:
+    """Make the primary CUDA context current on this thread, once.
+
+    Host TMA descriptors are encoded through the driver API on the calling thread; autograd's
+    backward thread may have no current context yet (seen on the H200: "Failed to create tensor
+    map descriptor: invalid device context"). Any runtime-API call binds the primary context.
+    """
+    import torch
+
+    ready = getattr(_threads_with_context, "devices", None)
+    if ready is None:
+        ready = _threads_with_context.devices = set()
+    if device_index not in ready:
+        torch.cuda.synchronize(device_index)
+        ready.add(device_index)
 
 
 if interpreting():

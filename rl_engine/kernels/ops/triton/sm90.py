@@ -76,8 +76,13 @@ def compile_attention(kind: str, dtype: torch.dtype, head_dim: int, tile=None):
                      DOT_PRECISION=dot_precision(dtype))
     if fn is flash._flash_forward_kernel:
         constants.update(KV_SPLIT=config.kv_split, PARTIAL=kind == "forward_partial")
+    tma = dtype != torch.float32 and padded == head_dim  # what flash.row_descriptors decides for contiguous rows
+    constants["TMA"] = tma
+    block_rows = {"KD": tile.block_n, "VD": tile.block_n, "QD": tile.block_m, "DOD": tile.block_m}
 
     def types(name: str) -> str:
+        if name in block_rows:
+            return f"tensordesc<{element[1:]}[{block_rows[name]}, {head_dim}]>" if tma else element
         if name == "SEQ_INFO":
             return "*i32"
         if name in ("LSE", "DELTA", "PM", "PL", "PACC"):

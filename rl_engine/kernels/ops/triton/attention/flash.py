@@ -62,7 +62,14 @@ import torch
 import triton
 import triton.language as tl
 
-from rl_engine.kernels.ops.triton.runtime import cast_rne, dot_fp32, dot_precision
+from rl_engine.kernels.ops.triton.runtime import (
+    cast_rne,
+    dot_fp32,
+    dot_precision,
+    ensure_cuda_context,
+    host_descriptor,
+    interpreting,
+)
 
 LOG2_E = 1.4426950408889634
 # The running max starts finite so that a block masked for a row gives alpha = exp2(0) = 1, not NaN.
@@ -140,6 +147,22 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+def row_descriptors(tensors, block_rows: int):
+    """TMA descriptors of contiguous 16-bit rows [R, H, D], seen as [R, H·D] in blocks [block_rows, D], or
+    None (the kernels then load through pointers): for a head dim that is not a power of two >= 16, rows
+    not 16-byte aligned, or fp32 (whose kernels have no unmasked loop, where the descriptors are read)."""
+    first = tensors[0]
+    rows, heads, head_dim = first.shape
+    size = first.element_size()
+    if (size != 2 or block_d(head_dim) != head_dim or (heads * head_dim * size) % 16
+            or any(t.data_ptr() % 16 for t in tensors)):
+        return None
+    if not interpreting():
+        ensure_cuda_context(first.device.index if first.device.index is not None else torch.cuda.current_device())
+    return [host_descriptor(t, [rows, heads * head_dim], [heads * head_dim, 1], [block_rows, head_dim])
+            for t in tensors]
+
+
 # --------------------------------------------------------------------------------------------------
 # forward
 
@@ -166,10 +189,15 @@ def _key_blocks(q_pos0, first_q, rows, q_count, kv_len, window, CAUSAL: tl.const
 
 
 @triton.jit
-def _whole_kv_block(K, V, k_row0, start_n, stride_kr, k_col, d_ok, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """K and V rows [start_n, start_n + BLOCK_N) of a block inside kv_len: no row mask."""
+def _whole_kv_block(K, V, KD, VD, k_row0, start_n, stride_kr, k_col, kd_col, d_ok, EVEN_D: tl.constexpr,
+                    BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    """K and V rows [start_n, start_n + BLOCK_N) of a block inside kv_len: no row mask. TMA: through the
+    descriptors KD/VD (rows [Rk, Hkv·D]), which read exactly these rows, all of them the sequence's."""
     k_off = (k_row0 + start_n + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_kr
-    if EVEN_D:
+    if TMA:
+        k = KD.load([k_row0 + start_n, kd_col])
+        v = VD.load([k_row0 + start_n, kd_col])
+    elif EVEN_D:
         k = tl.load(K + k_off[:, None] + k_col)
         v = tl.load(V + k_off[:, None] + k_col)
     else:
@@ -218,13 +246,14 @@ def _merge_split(m_t, l_t, acc_t, m, l, acc):
 
 @triton.jit(do_not_specialize=["heads_per_tile", "q_per_tile"])
 def _flash_forward_kernel(
-    Q, K, V, O, LSE, PM, PL, PACC, SEQ_INFO,
+    Q, K, V, KD, VD, O, LSE, PM, PL, PACC, SEQ_INFO,
     stride_qr, stride_qh, stride_kr, stride_kh, stride_or, stride_oh, stride_lr,
     stride_ps, stride_pr, stride_ph, stride_as, stride_ar, stride_ah,
     qk_scale, group, heads_per_tile, q_per_tile, head_dim,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     KV_SPLIT: tl.constexpr, PARTIAL: tl.constexpr,
     EVEN_D: tl.constexpr, MASK_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # PARTIAL: program_id(0) is a KV split of the sequence's only query tile; the program writes that
     # split's unnormalised state (m, l, acc) to PM/PL/PACC for the combine kernel. Otherwise it is a
@@ -269,6 +298,7 @@ def _flash_forward_kernel(
         split_hi = tl.minimum(hi, tl.program_id(0) * KV_SPLIT + 1)  # this split only
     kv_base = K.dtype.element_ty
     k_col = kv_head * stride_kh + d[None, :]
+    kd_col = kv_head * BLOCK_D
 
     m_t = tl.full([BLOCK_M], M_INIT, dtype=tl.float32)
     l_t = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -284,7 +314,8 @@ def _flash_forward_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         if MASK_SPLIT:  # fp32 skips the mask split: its speed matters less than its compile time
             for start_n in range(b0, tl.minimum(mid, s1), BLOCK_N):
-                k, v = _whole_kv_block(K, V, k_row0, start_n, stride_kr, k_col, d_ok, EVEN_D, BLOCK_N)
+                k, v = _whole_kv_block(K, V, KD, VD, k_row0, start_n, stride_kr, k_col, kd_col, d_ok, EVEN_D,
+                                       BLOCK_N, TMA)
                 if DOT_FP32:
                     k = k.to(tl.float32)
                 m, l, acc = _online_softmax_block(q, k, v, m, l, acc, None, qk_scale, kv_base,
@@ -398,15 +429,16 @@ def flash_forward(q, k, v, table: SequenceTable, *, causal: bool, scale: float, 
         grid = (triton.cdiv(max(table.max_q_count, 1), q_per_tile), hq // heads_per_tile, table.num_sequences)
     p_strides = (pm.stride(0), pm.stride(1), pm.stride(2)) if partial else (0, 0, 0)
     a_strides = (pacc.stride(0), pacc.stride(1), pacc.stride(2)) if partial else (0, 0, 0)
+    descs = row_descriptors((k, v), cfg.block_n)
     _flash_forward_kernel[grid](
-        q, k, v, out, lse, pm, pl, pacc, table.info,
+        q, k, v, *(descs or (k, v)), out, lse, pm, pl, pacc, table.info,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1), lse.stride(0),
         *p_strides, *a_strides,
         scale * LOG2_E, group, heads_per_tile, q_per_tile, head_dim,
         CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d(head_dim),
         KV_SPLIT=kv_split, PARTIAL=partial, EVEN_D=block_d(head_dim) == head_dim,
         MASK_SPLIT=q.dtype != torch.float32, DOT_FP32=dot_fp32(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TMA=descs is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if partial:
         # Rows no sequence covers hold garbage partials; their outputs are garbage too, as documented.
@@ -461,11 +493,12 @@ def _dq_block(q, do, k, v, lse, delta, dq, visible, qk_scale, k_base: tl.constex
 
 @triton.jit
 def _flash_backward_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, SEQ_INFO,
+    Q, K, V, KD, VD, DO, LSE, DELTA, DQ, SEQ_INFO,
     stride_qr, stride_qh, stride_kr, stride_kh, stride_lr,
     qk_scale, scale, group, head_dim,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, MASK_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) query blocks first
     head = tl.program_id(1)
@@ -501,7 +534,8 @@ def _flash_backward_dq_kernel(
     k_col = kv_head * stride_kh + d[None, :]
     if MASK_SPLIT:
         for start_n in range(lo, mid, BLOCK_N):
-            k, v = _whole_kv_block(K, V, k_row0, start_n, stride_kr, k_col, d_ok, EVEN_D, BLOCK_N)
+            k, v = _whole_kv_block(K, V, KD, VD, k_row0, start_n, stride_kr, k_col, kv_head * BLOCK_D, d_ok,
+                                   EVEN_D, BLOCK_N, TMA)
             dq = _dq_block(q, do, k, v, lse, delta, dq, None, qk_scale, k_base, False, DOT_FP32, DOT_PRECISION)
     for start_n in range(mid, hi, BLOCK_N):
         k_pos = start_n + tl.arange(0, BLOCK_N)
@@ -519,10 +553,10 @@ def _flash_backward_dq_kernel(
 
 
 @triton.jit
-def _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, q_row0, q_pos0, q_count, start_m, head, k_pos, k_ok,
+def _dkdv_block(k, v, dk, dv, Q, DO, QD, DOD, LSE, DELTA, q_row0, q_pos0, q_count, start_m, head, k_pos, k_ok,
                 window, d, d_ok, stride_qr, stride_qh, stride_lr, qk_scale, q_base: tl.constexpr,
-                MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr,
-                DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                EVEN_D: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
     """dV += Pᵀ·dO and dK += dSᵀ·Q for one query block; the unmasked call is only made for whole query
     blocks every one of whose queries sees every key of the block (the masked call agrees bitwise)."""
     q_idx = start_m + tl.arange(0, BLOCK_M)
@@ -536,7 +570,10 @@ def _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, q_row0, q_pos0, q_count, start_
         lse = tl.load(LSE + l_off, mask=row_ok, other=0.0)
         delta = tl.load(DELTA + l_off, mask=row_ok, other=0.0)
     else:
-        if EVEN_D:
+        if TMA:  # whole query blocks of the sequence: exactly its rows
+            q = QD.load([q_row0 + start_m, head * BLOCK_D])
+            do = DOD.load([q_row0 + start_m, head * BLOCK_D])
+        elif EVEN_D:
             q = tl.load(Q + q_off[:, None] + d[None, :])
             do = tl.load(DO + q_off[:, None] + d[None, :])
         else:
@@ -570,11 +607,12 @@ def _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, q_row0, q_pos0, q_count, start_
 
 @triton.jit
 def _flash_backward_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, SEQ_INFO,
+    Q, K, V, QD, DOD, DO, LSE, DELTA, DK, DV, SEQ_INFO,
     stride_qr, stride_qh, stride_kr, stride_kh, stride_lr,
     qk_scale, scale, group, head_dim,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, MASK_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     pid_n = tl.program_id(0)  # under the causal mask the first key blocks do the most work: first
     kv_head = tl.program_id(1)
@@ -622,17 +660,17 @@ def _flash_backward_dkdv_kernel(
         head = kv_head * group + g
         if MASK_SPLIT:  # [lo, mid) masked, [mid, full) unmasked
             for start_m in range(lo, mid, BLOCK_M):
-                dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, q_row0, q_pos0, q_count, start_m, head,
+                dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, QD, DOD, LSE, DELTA, q_row0, q_pos0, q_count, start_m, head,
                                      k_pos, k_ok, window, d, d_ok, stride_qr, stride_qh, stride_lr, qk_scale,
-                                     q_base, True, CAUSAL, BLOCK_M, EVEN_D, DOT_FP32, DOT_PRECISION)
+                                     q_base, True, CAUSAL, BLOCK_M, BLOCK_D, EVEN_D, DOT_FP32, DOT_PRECISION, TMA)
             for start_m in range(mid, full, BLOCK_M):
-                dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, q_row0, q_pos0, q_count, start_m, head,
+                dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, QD, DOD, LSE, DELTA, q_row0, q_pos0, q_count, start_m, head,
                                      k_pos, k_ok, window, d, d_ok, stride_qr, stride_qh, stride_lr, qk_scale,
-                                     q_base, False, CAUSAL, BLOCK_M, EVEN_D, DOT_FP32, DOT_PRECISION)
+                                     q_base, False, CAUSAL, BLOCK_M, BLOCK_D, EVEN_D, DOT_FP32, DOT_PRECISION, TMA)
         for start_m in range(full, hi, BLOCK_M):
-            dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, LSE, DELTA, q_row0, q_pos0, q_count, start_m, head,
+            dk, dv = _dkdv_block(k, v, dk, dv, Q, DO, QD, DOD, LSE, DELTA, q_row0, q_pos0, q_count, start_m, head,
                                  k_pos, k_ok, window, d, d_ok, stride_qr, stride_qh, stride_lr, qk_scale,
-                                 q_base, True, CAUSAL, BLOCK_M, EVEN_D, DOT_FP32, DOT_PRECISION)
+                                 q_base, True, CAUSAL, BLOCK_M, BLOCK_D, EVEN_D, DOT_FP32, DOT_PRECISION, TMA)
     dk = dk * scale
     tl.store(DK + k_off[:, None] + d[None, :], cast_rne(dk, DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + k_off[:, None] + d[None, :], cast_rne(dv, DV.dtype.element_ty), mask=kv_mask)
@@ -665,14 +703,18 @@ def flash_backward(do, q, k, v, out, lse, table: SequenceTable, *, causal: bool,
                   DOT_FP32=dot_fp32(q.dtype), DOT_PRECISION=dot_precision(q.dtype))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0))
     c = cfg.backward_dq
+    descs = row_descriptors((k, v), c.block_n)
     _flash_backward_dq_kernel[(triton.cdiv(max(table.max_q_count, 1), c.block_m), hq, table.num_sequences)](
-        q, k, v, do, lse, delta, dq, table.info, *strides, scale * LOG2_E, scale, group, head_dim,
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **common,
+        q, k, v, *(descs or (k, v)), do, lse, delta, dq, table.info, *strides, scale * LOG2_E, scale, group,
+        head_dim, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
+        TMA=descs is not None, **common,
     )
     c = cfg.backward_dkdv
+    descs = row_descriptors((q, do), c.block_m)
     _flash_backward_dkdv_kernel[(triton.cdiv(max(table.max_kv_len, 1), c.block_n), hkv, table.num_sequences)](
-        q, k, v, do, lse, delta, dk, dv, table.info, *strides, scale * LOG2_E, scale, group, head_dim,
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **common,
+        q, k, v, *(descs or (q, do)), do, lse, delta, dk, dv, table.info, *strides, scale * LOG2_E, scale, group,
+        head_dim, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
+        TMA=descs is not None, **common,
     )
     return dq, dk, dv
 

@@ -31,16 +31,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 
 import torch
 import triton
 import triton.language as tl
 from triton._utils import validate_block_shape
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rl_engine.kernels.ops.pytorch.linear.matmul import NativeMatmulOp
-from rl_engine.kernels.ops.triton.runtime import dot_fp32, dot_precision, interpreting, needs_custom_op
+from rl_engine.kernels.ops.triton.runtime import (
+    dot_fp32,
+    dot_precision,
+    ensure_cuda_context,
+    host_descriptor,
+    interpreting,
+    needs_custom_op,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,15 +242,6 @@ def _tma_compatible(t: torch.Tensor, strides: list[int]) -> bool:
     return t.data_ptr() % 16 == 0 and (strides[0] * t.element_size()) % 16 == 0
 
 
-def _descriptor(base: torch.Tensor, shape: list[int], strides: list[int], block_shape: list[int]):
-    """A host TensorDescriptor without its per-call checks, which are all made elsewhere: alignment
-    by _tma_compatible, unit last stride by _row_major_layout, positive sizes by the caller, the
-    block shape once per plan. The checks cost more than the rest of the descriptor."""
-    desc = object.__new__(TensorDescriptor)
-    desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = base, shape, strides, block_shape, "zero"
-    return desc
-
-
 def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
     if not isinstance(a, torch.Tensor) or a.dim() != 2:
         raise ValueError(f"a: expected a tensor of shape [M,K], got {getattr(a, 'shape', type(a).__name__)}")
@@ -256,24 +252,6 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
         raise ValueError(f"a, b: expected one dtype among bf16/fp16/fp32, got {a.dtype} and {b.dtype}")
     if a.device != b.device:
         raise ValueError(f"a, b: expected one device, got {a.device} and {b.device}")
-
-
-_threads_with_context = threading.local()
-
-
-def _ensure_cuda_context(device_index: int) -> None:
-    """Make the primary CUDA context current on this thread, once.
-
-    Host TMA descriptors are encoded through the driver API on the calling thread; autograd's
-    backward thread may have no current context yet (seen on the H200: "Failed to create tensor
-    map descriptor: invalid device context"). Any runtime-API call binds the primary context.
-    """
-    ready = getattr(_threads_with_context, "devices", None)
-    if ready is None:
-        ready = _threads_with_context.devices = set()
-    if device_index not in ready:
-        torch.cuda.synchronize(device_index)
-        ready.add(device_index)
 
 
 @dataclasses.dataclass
@@ -360,7 +338,7 @@ def _launch_tma(plan: _Plan, grid: int, descriptors: tuple, m: int, n: int, k: i
         _matmul_tma_kernel[(grid,)](*args, num_warps=cfg.num_warps, num_stages=stages)
         return
     device = torch.cuda.current_device()
-    _ensure_cuda_context(device)
+    ensure_cuda_context(device)
     key = (device, a_trans, b_trans, init is not None, out32 is not None)
     kernel = plan.tma_kernels.get(key)
     if kernel is None or _launch_hooks_set():
@@ -409,9 +387,9 @@ def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig
         (a_shape, a_strides, a_trans), (b_shape, b_strides, b_trans) = a_layout, b_layout
         # OUT_FP32 stores through pointers; c's descriptor is then passed but unused.
         descriptors = (
-            _descriptor(a, a_shape, a_strides, plan.a_block[a_trans]),
-            _descriptor(b, b_shape, b_strides, plan.b_block[b_trans]),
-            _descriptor(c, [m, n], [n, 1], plan.c_block),
+            host_descriptor(a, a_shape, a_strides, plan.a_block[a_trans]),
+            host_descriptor(b, b_shape, b_strides, plan.b_block[b_trans]),
+            host_descriptor(c, [m, n], [n, 1], plan.c_block),
         )
         _launch_tma(plan, grid, descriptors, m, n, k, a_trans, b_trans, init, c if out_fp32 else None)
     else:
