@@ -75,7 +75,7 @@ def compile_attention(kind: str, dtype: torch.dtype, head_dim: int, tile=None):
                      EVEN_D=padded == head_dim, MASK_SPLIT=dtype != torch.float32, DOT_FP32=False,
                      DOT_PRECISION=dot_precision(dtype))
     if fn is flash._flash_forward_kernel:
-        constants.update(KV_SPLIT=config.kv_split, PARTIAL=kind == "forward_partial")
+        constants.update(KV_SPLIT=config.kv_split, PARTIAL=kind == "forward_partial", FLAT=config.flat_splits)
     tma = dtype != torch.float32 and padded == head_dim  # what flash.row_descriptors decides for contiguous rows
     constants["TMA"] = tma
     block_rows = {"KD": tile.block_n, "VD": tile.block_n, "QD": tile.block_m, "DOD": tile.block_m}

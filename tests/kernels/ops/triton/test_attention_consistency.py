@@ -189,6 +189,57 @@ def test_another_kv_split_is_caught(monkeypatch):
     assert not torch.equal(decode()[0, 0], prefill)
 
 
+def _packed_forward_and_grads(seqs):
+    cu = torch.tensor([0, *torch.tensor([len(s[0]) for s in seqs]).cumsum(0).tolist()], dtype=torch.int32,
+                      device=DEVICE)
+    leaves = [torch.cat([s[i] for s in seqs]).detach().requires_grad_() for i in range(3)]
+    out = triton_attention(*leaves, cu_seqlens=cu)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype).to(DEVICE)
+    return (out.detach(), *torch.autograd.grad(out, leaves, grad_out))
+
+
+def test_tma_and_pointer_loads_give_the_same_bits(monkeypatch):
+    # Unmasked blocks read K/V (forward, dQ) and Q/dO (dK/dV) through TMA descriptors; the pointer loads
+    # they replace must give the same bits, and a descriptor of the wrong tensor must be seen.
+    seqs = _sequences([41, 5, 16], 4, 2, 16, torch.bfloat16, seed=8)
+    q, k, _ = seqs[0]
+    assert flash.row_descriptors((k, k), 16) is not None, "these rows should take the TMA path"
+    with_tma = _packed_forward_and_grads(seqs)
+    descriptors = flash.row_descriptors
+    monkeypatch.setattr(flash, "row_descriptors", lambda tensors, block_rows: None)
+    pointers = _packed_forward_and_grads(seqs)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), with_tma, pointers):
+        assert torch.equal(a, b), f"{name}: TMA and pointer loads differ"
+    # Planted bug: the descriptors swapped (K read from V's rows, Q from dO's).
+    monkeypatch.setattr(flash, "row_descriptors", lambda tensors, block_rows: descriptors(tensors[::-1], block_rows))
+    swapped = _packed_forward_and_grads(seqs)
+    assert not all(torch.equal(a, b) for a, b in zip(with_tma, swapped))
+
+
+def test_row_descriptors_only_for_16bit_power_of_two_aligned_rows():
+    rows = torch.zeros(9, 2, 64, dtype=torch.bfloat16, device=DEVICE)
+    assert len(flash.row_descriptors((rows, rows), 32)) == 2
+    assert flash.row_descriptors((rows.float(), rows.float()), 32) is None  # fp32: no unmasked loop
+    odd = torch.zeros(9, 2, 80, dtype=torch.bfloat16, device=DEVICE)
+    assert flash.row_descriptors((odd, odd), 32) is None  # head dim padded inside the kernel
+    shifted = torch.zeros(9 * 2 * 64 + 1, dtype=torch.bfloat16, device=DEVICE)[1:].view(9, 2, 64)
+    assert flash.row_descriptors((rows, shifted), 32) is None  # base not 16-byte aligned
+
+
+def test_flat_and_nested_split_loops_give_the_same_bits(monkeypatch):
+    # Lengths over three 32-key splits; both loop forms of the forward, every layout, bit for bit.
+    seqs = _sequences([75, 5, 33], 4, 1, 16, torch.bfloat16, seed=9)
+    config = flash.attention_config(torch.bfloat16, 16)
+    results = {}
+    for flat in (True, False):
+        monkeypatch.setattr(flash, "attention_config", lambda dtype, d, flat=flat: dataclasses.replace(
+            config, flat_splits=flat))
+        assert_all_forms_bitwise_equal(seqs)
+        results[flat] = prefill_forms(seqs)["packed"]
+    for b, (got, want) in enumerate(zip(results[True], results[False])):
+        assert torch.equal(got, want), f"sequence {b}: the flat and nested split loops differ"
+
+
 @pytest.mark.gpu
 def test_gpu_every_form_gives_the_same_bits_qwen3_8b():
     seqs = _sequences([2048, 1531, 700, 129, 64, 1], 32, 8, 128, torch.bfloat16, seed=11)

@@ -108,6 +108,20 @@ def test_bad_inputs_name_the_input():
         triton_kv_cache_attention(q, k, v, lens.float())
 
 
+def test_the_table_kernel_builds_the_torch_table():
+    from rl_engine.kernels.ops.triton.attention import flash
+    from rl_engine.kernels.ops.triton.attention.kv_cache_attention import kv_cache_table
+
+    sq, smax = 2, 12
+    lengths = torch.tensor([0, 3, 9, 12, 40, -3], dtype=torch.int64)  # 40 and -3: clamped to [0, Smax]
+    got = kv_cache_table(lengths.to(DEVICE), sq, smax, DEVICE)
+    n = lengths.clamp(0, smax).int()
+    b = torch.arange(len(lengths), dtype=torch.int32)
+    want = flash.sequence_table(b * sq, torch.full_like(n, sq), n - sq, b * smax, n, max_q_count=sq, max_kv_len=smax)
+    assert torch.equal(got.info.cpu(), want.info)
+    assert (got.max_q_count, got.max_kv_len) == (sq, smax)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("sq", [1, 7, 256])
 def test_gpu_qwen3_8b_geometry_bf16(sq):

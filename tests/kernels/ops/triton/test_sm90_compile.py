@@ -21,9 +21,9 @@ from rl_engine.kernels.ops.triton.sm90 import (
     MOE_KERNELS,
 )
 
-# One case per tile class of attention_config: small heads, a padded head (80), the main bf16 tiles,
-# 256-lane heads, and fp32's two classes.
-CASES = ["bf16/8", "bf16/80", "bf16/128", "bf16/256", "fp32/128", "fp32/256"]
+# One case per tile class of attention_config: small heads, the flat split loop (64), a padded head (80),
+# the main bf16 tiles, 256-lane heads, and fp32's two classes.
+CASES = ["bf16/8", "bf16/64", "bf16/80", "bf16/128", "bf16/256", "fp32/128", "fp32/256"]
 
 
 def run_sm90(*args: str) -> dict:

@@ -16,14 +16,18 @@ Keys are walked in blocks [n·BLOCK_N, (n+1)·BLOCK_N) counted from the sequence
 token meets the same keys in the same blocks in the same order whatever the layout: a full prefill,
 a left/right-padded batch, a packed batch, one chunk of a chunked prefill, or a decode step.
 Key blocks that every query of a tile sees whole (below the tile's diagonal, inside kv_len) run
-without masks; the others are masked. Both kinds of block run the same instructions on a visible
+without masks, their K/V read through TMA descriptors where the rows allow (`row_descriptors`: whole
+blocks hold only the sequence's own rows, so the copy engine reads nothing of a neighbour's); the
+others are masked and read through pointers. Both kinds of block run the same instructions on a visible
 score (the scale goes in through an explicit fma, never a contraction the compiler may or may not
 make), so a (query, block) pair gives the same bits whichever kind its tile makes it. fp32 skips
 the split (MASK_SPLIT=False): it doubles the compile time of kernels whose speed matters less.
 KV splits (one size per (dtype, head_dim), `AttentionConfig.kv_split`, never chosen from the batch):
 a query's keys are reduced split by split, [0, kv_split), [kv_split, 2·kv_split), …, each split from
 a fresh softmax state, and the splits' states are folded left to right (`_merge_split`, explicit fmas).
-A prefill program folds its splits as it walks them; decode and short chunks, whose one query tile
+A prefill program folds its splits as it walks them (in one loop per split, or in one flat loop that
+folds at each split's last block: `AttentionConfig.flat_splits`, the same bits, whichever is faster for
+the head dim); decode and short chunks, whose one query tile
 would leave the GPU idle, run one program per split (PARTIAL) and fold the same states in the same
 order in `_split_combine_kernel`: the same bits, prefill ≡ packed ≡ chunked ≡ decode, with the
 parallelism of split-KV decoding. Within one split nothing changes, so a sequence shorter than a split
@@ -96,27 +100,36 @@ class AttentionConfig:
     # by split, folding the splits' partial softmax states left to right (see the module docstring).
     # 2048 as SGLang's deterministic mode uses; to be measured (benchmarks/attention_tiles.py).
     kv_split: int = 2048
+    # How the forward walks a tile's splits, with the same bits either way: one loop per split, or one
+    # flat loop over the blocks that folds at each split's end. Which is faster depends on the head dim
+    # (H200, 2026-12-01: flat 0.94 vs 1.09 ms at head_dim 64, nested 1.41 vs 1.54 ms at 128).
+    flat_splits: bool = False
 
 
 def attention_config(dtype: torch.dtype, head_dim: int) -> AttentionConfig:
     """The one tile configuration per (dtype, head_dim): never chosen from batch, length or layout."""
     if head_dim > 256:
         raise ValueError(f"q: head_dim must be at most 256, got {head_dim}")
+    flat = head_dim <= 64
     if head_dim <= 32:  # small heads (the interpreter tests): several blocks and splits even at S ~ 40
         tile = TileConfig(16, 16, 4, 2)
-        return AttentionConfig(tile, tile, tile, kv_split=32)
+        return AttentionConfig(tile, tile, tile, kv_split=32, flat_splits=flat)
     if dtype == torch.float32 and head_dim > 128:
         # 64-row fp32 tiles 256 lanes wide need 256 KiB of shared memory in the backward (H200: 227 KiB).
         small = TileConfig(32, 32, 4, 2)
         return AttentionConfig(TileConfig(64, 32, 4, 2), small, small)
-    if dtype == torch.float32 or head_dim > 128:
-        return AttentionConfig(TileConfig(64, 32, 4, 2), TileConfig(64, 32, 4, 2), TileConfig(32, 64, 4, 2))
-    # bf16/fp16, head_dim 33…128: chosen on the H200 by benchmarks/attention_tiles.py (2026-11-30,
-    # benchmarks/results/attention_tiles.json); dQ tiles made no measurable difference.
+    if dtype == torch.float32:
+        return AttentionConfig(TileConfig(64, 32, 4, 2), TileConfig(64, 32, 4, 2), TileConfig(32, 64, 4, 2),
+                               flat_splits=flat)
+    if head_dim > 128:  # H200, 2026-12-01: 32x64 dK/dV tiles spill 4.6 KB a thread; 32x32 took the backward 27 -> 16 ms
+        return AttentionConfig(TileConfig(64, 32, 4, 2), TileConfig(64, 32, 4, 2), TileConfig(32, 32, 4, 2))
+    # bf16/fp16, head_dim 33…128: chosen on the H200 by benchmarks/attention_tiles.py (2026-11-30 and
+    # 2026-12-01 with TMA loads, benchmarks/results/attention_tiles.json); dQ tiles made no measurable difference.
     return AttentionConfig(
         forward=TileConfig(64, 64, 4, 3),
         backward_dq=TileConfig(64, 64, 4, 2),
         backward_dkdv=TileConfig(64, 64, 4, 2) if head_dim <= 64 else TileConfig(32, 64, 4, 3),
+        flat_splits=flat,
     )
 
 
@@ -253,7 +266,7 @@ def _flash_forward_kernel(
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     KV_SPLIT: tl.constexpr, PARTIAL: tl.constexpr,
     EVEN_D: tl.constexpr, MASK_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, FLAT: tl.constexpr,
 ):
     # PARTIAL: program_id(0) is a KV split of the sequence's only query tile; the program writes that
     # split's unnormalised state (m, l, acc) to PM/PL/PACC for the combine kernel. Otherwise it is a
@@ -291,11 +304,6 @@ def _flash_forward_kernel(
     lo, mid, hi = _key_blocks(q_pos0, pid_m * q_per_tile, q_per_tile, q_count, kv_len, window, CAUSAL, BLOCK_N,
                               MASK_SPLIT)
     # KV splits [s0, s0 + KV_SPLIT), aligned to the sequence's first key like the blocks.
-    split_lo = lo // KV_SPLIT * KV_SPLIT
-    split_hi = hi
-    if PARTIAL:
-        split_lo = tl.maximum(split_lo, tl.program_id(0) * KV_SPLIT)
-        split_hi = tl.minimum(hi, tl.program_id(0) * KV_SPLIT + 1)  # this split only
     kv_base = K.dtype.element_ty
     k_col = kv_head * stride_kh + d[None, :]
     kd_col = kv_head * BLOCK_D
@@ -306,21 +314,30 @@ def _flash_forward_kernel(
     m = m_t
     l = l_t
     acc = acc_t
-    for s0 in range(split_lo, split_hi, KV_SPLIT):
-        s1 = tl.minimum(s0 + KV_SPLIT, hi)
-        b0 = tl.maximum(s0, lo)
-        m = tl.full([BLOCK_M], M_INIT, dtype=tl.float32)
-        l = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        if MASK_SPLIT:  # fp32 skips the mask split: its speed matters less than its compile time
-            for start_n in range(b0, tl.minimum(mid, s1), BLOCK_N):
+    if FLAT:  # one loop over the blocks; a split's state is folded when its last block is done
+        blo = lo
+        bhi = hi
+        if PARTIAL:  # this split's blocks only
+            blo = tl.maximum(lo, tl.program_id(0) * KV_SPLIT)
+            bhi = tl.minimum(hi, (tl.program_id(0) + 1) * KV_SPLIT)
+        umid = tl.minimum(tl.maximum(mid, blo), bhi)  # [blo, umid) unmasked, [umid, bhi) masked
+        if MASK_SPLIT:
+            for start_n in range(blo, umid, BLOCK_N):
                 k, v = _whole_kv_block(K, V, KD, VD, k_row0, start_n, stride_kr, k_col, kd_col, d_ok, EVEN_D,
                                        BLOCK_N, TMA)
                 if DOT_FP32:
                     k = k.to(tl.float32)
                 m, l, acc = _online_softmax_block(q, k, v, m, l, acc, None, qk_scale, kv_base,
                                                   False, DOT_FP32, DOT_PRECISION)
-        for start_n in range(tl.maximum(mid, b0), s1, BLOCK_N):
+                if not PARTIAL:
+                    if (start_n + BLOCK_N) % KV_SPLIT == 0:  # a split ends: fold it, start the next fresh
+                        m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m, l, acc)
+                        m = tl.full([BLOCK_M], M_INIT, dtype=tl.float32)
+                        l = tl.zeros([BLOCK_M], dtype=tl.float32)
+                        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        else:
+            umid = blo
+        for start_n in range(umid, bhi, BLOCK_N):
             k_pos = start_n + tl.arange(0, BLOCK_N)
             k_ok = k_pos < kv_len
             k_off = (k_row0 + k_pos).to(tl.int64) * stride_kr
@@ -334,8 +351,50 @@ def _flash_forward_kernel(
                 visible = visible & (k_pos[None, :] <= q_pos[:, None])
             m, l, acc = _online_softmax_block(q, k, v, m, l, acc, visible, qk_scale, kv_base,
                                               True, DOT_FP32, DOT_PRECISION)
-        if not PARTIAL:
+            if not PARTIAL:
+                if (start_n + BLOCK_N) % KV_SPLIT == 0:
+                    m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m, l, acc)
+                    m = tl.full([BLOCK_M], M_INIT, dtype=tl.float32)
+                    l = tl.zeros([BLOCK_M], dtype=tl.float32)
+                    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        if not PARTIAL:  # the last split (a fresh state when the last block ended one: a no-op fold)
             m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m, l, acc)
+    else:  # one loop per split
+        split_lo = lo // KV_SPLIT * KV_SPLIT
+        split_hi = hi
+        if PARTIAL:
+            split_lo = tl.maximum(split_lo, tl.program_id(0) * KV_SPLIT)
+            split_hi = tl.minimum(hi, tl.program_id(0) * KV_SPLIT + 1)  # this split only
+        for s0 in range(split_lo, split_hi, KV_SPLIT):
+            s1 = tl.minimum(s0 + KV_SPLIT, hi)
+            b0 = tl.maximum(s0, lo)
+            m = tl.full([BLOCK_M], M_INIT, dtype=tl.float32)
+            l = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            if MASK_SPLIT:  # fp32 skips the mask split: its speed matters less than its compile time
+                for start_n in range(b0, tl.minimum(mid, s1), BLOCK_N):
+                    k, v = _whole_kv_block(K, V, KD, VD, k_row0, start_n, stride_kr, k_col, kd_col, d_ok, EVEN_D,
+                                           BLOCK_N, TMA)
+                    if DOT_FP32:
+                        k = k.to(tl.float32)
+                    m, l, acc = _online_softmax_block(q, k, v, m, l, acc, None, qk_scale, kv_base,
+                                                      False, DOT_FP32, DOT_PRECISION)
+            for start_n in range(tl.maximum(mid, b0), s1, BLOCK_N):
+                k_pos = start_n + tl.arange(0, BLOCK_N)
+                k_ok = k_pos < kv_len
+                k_off = (k_row0 + k_pos).to(tl.int64) * stride_kr
+                kv_mask = k_ok[:, None] & d_ok[None, :]
+                k = tl.load(K + k_off[:, None] + k_col, mask=kv_mask, other=0.0)
+                v = tl.load(V + k_off[:, None] + k_col, mask=kv_mask, other=0.0)
+                if DOT_FP32:
+                    k = k.to(tl.float32)
+                visible = k_ok[None, :] & (k_pos[None, :] > q_pos[:, None] - window)
+                if CAUSAL:
+                    visible = visible & (k_pos[None, :] <= q_pos[:, None])
+                m, l, acc = _online_softmax_block(q, k, v, m, l, acc, visible, qk_scale, kv_base,
+                                                  True, DOT_FP32, DOT_PRECISION)
+            if not PARTIAL:
+                m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m, l, acc)
 
     if PARTIAL:  # this split's state (fresh if it holds none of the tile's keys: folding it is a no-op)
         r64 = (q_row0 + q_idx).to(tl.int64)
@@ -405,7 +464,8 @@ def flash_forward(q, k, v, table: SequenceTable, *, causal: bool, scale: float, 
     rows, hq, head_dim = q.shape
     hkv = k.shape[1]
     group = hq // hkv
-    cfg = attention_config(q.dtype, head_dim).forward
+    config = attention_config(q.dtype, head_dim)
+    cfg = config.forward
     if group % heads_per_tile or cfg.block_m % heads_per_tile:
         raise ValueError(f"heads_per_tile={heads_per_tile} must divide the group {group} and BLOCK_M")
     out = torch.empty_like(q)
@@ -413,7 +473,7 @@ def flash_forward(q, k, v, table: SequenceTable, *, causal: bool, scale: float, 
     q_per_tile = cfg.block_m // heads_per_tile
     if table.num_sequences == 0 or rows == 0:
         return out, lse
-    kv_split = attention_config(q.dtype, head_dim).kv_split
+    kv_split = config.kv_split
     num_splits = triton.cdiv(max(table.max_kv_len, 1), kv_split)
     # One query tile per sequence (decode, short chunks) and several splits: one program per split, then
     # the combine kernel. The bits are the same either way (both fold the same split states in the same
@@ -438,7 +498,7 @@ def flash_forward(q, k, v, table: SequenceTable, *, causal: bool, scale: float, 
         CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d(head_dim),
         KV_SPLIT=kv_split, PARTIAL=partial, EVEN_D=block_d(head_dim) == head_dim,
         MASK_SPLIT=q.dtype != torch.float32, DOT_FP32=dot_fp32(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
-        TMA=descs is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TMA=descs is not None, FLAT=config.flat_splits, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if partial:
         # Rows no sequence covers hold garbage partials; their outputs are garbage too, as documented.

@@ -15,15 +15,51 @@ clamped to [0, Smax] instead, so a decode step costs no device-to-host synchroni
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from rl_engine.kernels.ops.pytorch.attention.kv_cache_attention import NativeKvCacheAttentionOp
 from rl_engine.kernels.ops.triton.attention.flash import (
+    MAX_SEQUENCES,
+    NO_WINDOW,
+    SequenceTable,
     attention_config,
     default_scale,
     flash_attention_op,
     flash_forward,
-    sequence_table,
 )
+
+TABLE_BLOCK = 128  # cache rows per program
+
+
+@triton.jit
+def _kv_cache_table_kernel(LENGTHS, INFO, batch, sq, smax, no_window, BLOCK: tl.constexpr):
+    """The sequence table of a KV-cache call (flash.py's layout rows), one row per cache row b: its
+    queries at rows b·Sq…, positions length − Sq…, its keys at rows b·Smax…, length clamped to [0, Smax]."""
+    b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = b < batch
+    n = tl.load(LENGTHS + b, mask=ok, other=0)
+    n = tl.minimum(tl.maximum(n, 0), smax).to(tl.int32)
+    row = INFO + b * 6
+    tl.store(row + 0, b * sq, mask=ok)
+    tl.store(row + 1, tl.zeros_like(b) + sq, mask=ok)
+    tl.store(row + 2, n - sq, mask=ok)
+    tl.store(row + 3, b * smax, mask=ok)
+    tl.store(row + 4, n, mask=ok)
+    tl.store(row + 5, tl.zeros_like(b) + no_window, mask=ok)
+
+
+def kv_cache_table(cache_seqlens: torch.Tensor, sq: int, smax: int, device) -> SequenceTable:
+    """The sequence table in one launch: a decode step replayed from a CUDA graph pays per kernel, and the
+    same table from torch ops took eight."""
+    b = cache_seqlens.shape[0]
+    if b > MAX_SEQUENCES:
+        raise ValueError(f"cache_seqlens: at most {MAX_SEQUENCES} sequences per call, got {b}")
+    info = torch.empty((b, 6), dtype=torch.int32, device=device)
+    if b:
+        _kv_cache_table_kernel[(triton.cdiv(b, TABLE_BLOCK),)](
+            cache_seqlens.to(device=device), info, b, sq, smax, NO_WINDOW, BLOCK=TABLE_BLOCK)
+    return SequenceTable(info, sq, smax)
 
 
 def _heads_per_tile(group: int, block_m: int, sq: int) -> int:
@@ -48,13 +84,7 @@ def triton_kv_cache_attention(q, k_cache, v_cache, cache_seqlens, *, scale: floa
         raise ValueError(f"k_cache, v_cache: expected q's dtype {q.dtype}, got {k_cache.dtype}, {v_cache.dtype}")
     b, sq, hq, d = q.shape
     smax, hkv = k_cache.shape[1], k_cache.shape[2]
-    device = q.device
-    lengths = cache_seqlens.to(device=device, dtype=torch.int32).clamp(0, smax)
-    batch = torch.arange(b, dtype=torch.int32, device=device)
-    table = sequence_table(
-        batch * sq, torch.full_like(lengths, sq), lengths - sq, batch * smax, lengths,
-        max_q_count=sq, max_kv_len=smax,
-    )
+    table = kv_cache_table(cache_seqlens, sq, smax, q.device)
     block_m = attention_config(q.dtype, d).forward.block_m
     rows = [t.reshape(-1, t.shape[2], t.shape[3]).contiguous() for t in (q, k_cache, v_cache)]
     heads_per_tile = _heads_per_tile(hq // hkv, block_m, sq)
