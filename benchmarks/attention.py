@@ -22,7 +22,7 @@ Decode (one query per row, batch 1…64 × cached 1k…8k tokens, head_dim 128):
 (its backend named): ms, GB/s of K/V read, % of the copy ceiling, ratio; goals: >= 60% of copy at
 batch >= 16 with >= 4k cached, and at batch 1 >= 0.6x SDPA's speed (FA4 is not timed in decode:
 those goals are against SDPA). Each decode step is also timed replayed from a CUDA graph (GPU time,
-the host removed, as rollout engines run decode); batch 1 is judged on those when both captured.
+the host removed, as rollout engines run decode); the goals are judged on those when captured.
 Also: a bitwise consistency spot check (each sequence alone vs packed, chunked by 7, decoded token by
 token), recorded as mismatching token counts (all should be 0).
 
@@ -330,7 +330,10 @@ def run_decode(name, fn, args, timer) -> dict:
 
 
 def decode_goal(row: dict) -> tuple[str | None, str]:
-    if row["batch"] >= 16 and row["cached"] >= 4096:
+    if row["batch"] >= 16 and row["cached"] >= 4096 and row.get("triton_graph_pct_copy") is not None:
+        # Eager steps of ~0.1 ms are host-bound (0.28-0.49 ms measured at batch 16); judged as batch 1 is.
+        goal, value, target = ">= 60% of copy (replayed from a CUDA graph)", row["triton_graph_pct_copy"], 60.0
+    elif row["batch"] >= 16 and row["cached"] >= 4096:
         goal, value, target = ">= 60% of copy", row.get("triton_pct_copy"), 60.0
     elif row["batch"] == 1 and row.get("graph_ratio_vs_sdpa") is not None:
         # A batch-1 step is a few microseconds of GPU work behind tens of host launch overhead; rollout
@@ -371,6 +374,8 @@ def decode_rows(shapes: Shapes, batches, cache_lens, ours, peers: dict, timer: T
             add_ratios(row, fns)
             if row.get("triton_graph_ms") and row.get("sdpa_graph_ms"):
                 row["graph_ratio_vs_sdpa"] = row["sdpa_graph_ms"] / row["triton_graph_ms"]
+            if row.get("triton_graph_ms") and copy_gbps:
+                row["triton_graph_pct_copy"] = 100 * kv_bytes / (row["triton_graph_ms"] * 1e6) / copy_gbps
             if "sdpa" in peers:
                 diff = measure(f"decode B={b} cached={n} max |triton - sdpa|", max_abs_diff, ours, peers["sdpa"],
                                (q, k_cache, v_cache, lengths))
@@ -508,7 +513,7 @@ def main(argv=None) -> int:
     print("\ndecode (1 query per row); GB/s of K/V read; ratio = peer ms / triton ms")
     print_table(decode, ["batch", "cached", "triton_ms", "triton_gb_per_s", "triton_pct_copy", "sdpa_ms",
                          "sdpa_gb_per_s", "sdpa_backend", "ratio_vs_sdpa", "triton_graph_ms", "sdpa_graph_ms",
-                         "graph_ratio_vs_sdpa", "goal", "goal_status"])
+                         "triton_graph_pct_copy", "graph_ratio_vs_sdpa", "goal", "goal_status"])
 
     names = {n: f"{n}_tflop_per_s" for n in ("triton", *PEERS)}
     forward = [r for r in prefill if r["mode"] == "forward"]
