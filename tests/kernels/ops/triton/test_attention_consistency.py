@@ -248,6 +248,18 @@ def test_gpu_every_form_gives_the_same_bits_qwen3_8b():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gpu_every_form_gives_the_same_bits_across_kv_splits(head_dim):
+    # 3834 tokens of uneven lengths, the longest past the first KV split (2048 keys), chunks of 7 and 300
+    # that end on either side of the split boundary: head_dim 64 takes the flat split loop, 128 and 256
+    # the nested one, all with TMA loads in the unmasked blocks.
+    assert flash.attention_config(torch.bfloat16, head_dim).kv_split < 2600
+    seqs = _sequences([2600, 900, 333, 1], 32, 8, head_dim, torch.bfloat16, seed=13)
+    assert_all_forms_bitwise_equal(seqs, chunk=7)
+    assert_all_forms_bitwise_equal(seqs[:2], chunk=300)
+
+
+@pytest.mark.gpu
 def test_gpu_gradients_are_the_same_in_padded_and_packed_batches_qwen3_8b():
     assert_gradients_bitwise_equal(_sequences([2048, 1000, 333, 1], 32, 8, 128, torch.bfloat16, seed=12))
 
