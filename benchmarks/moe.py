@@ -1,6 +1,6 @@
 """MoE at Qwen3-30B-A3B shapes (hidden 2048, 128 experts, top-8, expert width 768, bf16): grouped GEMM and layer.
 
-    python benchmarks/moe.py --out benchmarks/results [--quick]
+    python benchmarks/moe.py --out benchmarks/results [--quick] [--tokens 16384,65536] [--gemm-only]
 
 `tokens` is T, the tokens entering the layer; each is routed to top-8 experts, so the grouped GEMM
 has rows = 8T (4k, 16k, 64k tokens -> 32k, 128k, 512k rows; --quick: 4k tokens). Routing is
@@ -522,7 +522,16 @@ LAYER_COLUMNS = ["tokens", "impl", "fwd_ms", "fwd_bwd_ms", "fwd_bwd_x_grouped_mm
 def parse_args(argv=None) -> argparse.Namespace:
     parser = arg_parser(__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
+    parser.add_argument("--tokens", help="comma-separated token counts (default: 4096,16384,65536; --quick: 4096)")
+    parser.add_argument("--gemm-only", action="store_true", help="time the grouped GEMM section only (1)")
     args = parser.parse_args(argv)
+    if args.tokens is not None:
+        try:
+            args.tokens = tuple(int(t) for t in args.tokens.split(","))
+        except ValueError:
+            parser.error(f"--tokens: expected comma-separated integers, got {args.tokens!r}")
+        if min(args.tokens) <= 0:
+            parser.error("--tokens: token counts must be positive")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.exit(2, f"{parser.prog}: error: needs CUDA; the benchmarks run on the GPU machine\n")
     return args
@@ -540,7 +549,7 @@ def main(argv=None) -> int:
         # Read when a kernel module is imported: rl_engine's kernels are imported only after this line.
         os.environ.setdefault("TRITON_INTERPRET", "1")
     s = QWEN3_30B_A3B if device == "cuda" else TOY
-    token_list = s.quick_tokens if args.quick else s.tokens
+    token_list = args.tokens or (s.quick_tokens if args.quick else s.tokens)
     timer = Timer(device, args.quick)
     grouped_status = grouped_mm_unavailable(device)
     print(f"shapes {dataclasses.asdict(s)}, tokens {list(token_list)}, device {device}; "
@@ -551,8 +560,10 @@ def main(argv=None) -> int:
     weights = make_weights(s, device)
     print("(1) grouped GEMM alone", flush=True)
     gemm_rows, configs = gemm_section(s, token_list, weights, timer, device, grouped_status)
-    print("(2) MoE layer forward, forward + backward", flush=True)
-    layer_rows = layer_section(s, token_list, weights, timer, device, grouped_status)
+    layer_rows = []
+    if not args.gemm_only:
+        print("(2) MoE layer forward, forward + backward", flush=True)
+        layer_rows = layer_section(s, token_list, weights, timer, device, grouped_status)
     del weights
     if device == "cuda":
         torch.cuda.empty_cache()
