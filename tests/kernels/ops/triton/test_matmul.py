@@ -359,7 +359,7 @@ def fake_gpu_launch(monkeypatch):
 
     calls = []
     monkeypatch.setattr(module, "_matmul_tma_kernel", _FakeTmaKernel(calls))
-    monkeypatch.setattr(module, "_ensure_cuda_context", lambda device: None)
+    monkeypatch.setattr(module, "ensure_cuda_context", lambda device: None)
     monkeypatch.setattr(module, "_current_stream", lambda: lambda device: 1234)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     plan = dataclasses.replace(module._make_plan(torch.bfloat16, 40, 48, -1, TMA), interpreting=False)
