@@ -1,4 +1,5 @@
-"""Launch facts every Triton kernel here needs: are we under the CPU interpreter?
+"""Launch facts every Triton kernel here needs: are we under the CPU interpreter? And the host side of
+TMA loads (`host_descriptor`, `ensure_cuda_context`), shared by the matmul, attention and loss kernels.
 
 Under `TRITON_INTERPRET=1`, `tl.dot` with bf16/fp16 operands returns garbage (Triton 3.6 and 3.9,
 DESIGN.md), while fp32 operands are right. Kernels that use `tl.dot` take a constexpr
