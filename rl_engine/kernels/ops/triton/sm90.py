@@ -105,18 +105,22 @@ def compile_grouped_matmul(kind: str, dtype: torch.dtype):
     element = "*bf16" if dtype == torch.bfloat16 else "*fp32"
     if kind in ("matmul", "matmul_w_along_n"):  # forward; input gradient (w read along its unit-stride n)
         fn = gm._grouped_matmul_kernel
+        transpose_w = kind == "matmul_w_along_n"
         constants = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_FP32=False,
-                         INPUT_PRECISION=precision)
-        if "W_ALONG_N" in fn.arg_names:
-            constants["W_ALONG_N"] = kind == "matmul_w_along_n"
+                         INPUT_PRECISION=precision, TMA=cfg.tma, TRANSPOSE_W=transpose_w)
+        blocks = {"a_desc": [cfg.block_m, cfg.block_k],
+                  "w_desc": [cfg.block_k, cfg.block_n] if transpose_w else [cfg.block_n, cfg.block_k]}
     else:
         fn = gm._grouped_weight_grad_kernel
+        blocks = {}
         constants = dict(BLOCK_N=min(cfg.block_m, 128), BLOCK_K=min(cfg.block_n, 128), BLOCK_R=cfg.block_k,
                          DOT_FP32=False, INPUT_PRECISION=precision)
     unit = _UNIT_STRIDES ^ {"stride_wk", "stride_wn"} if kind == "matmul_w_along_n" else _UNIT_STRIDES
     constants.update({name: 1 for name in fn.arg_names if name in unit})
 
     def types(name: str) -> str:
+        if name in ("a_desc", "w_desc"):
+            return f"tensordesc<{element[1:]}[{blocks[name][0]}, {blocks[name][1]}]>" if cfg.tma else element
         if name in ("tiles_ptr", "starts_ptr"):
             return "*i32"
         return element if name.endswith("_ptr") else "i32"

@@ -93,6 +93,57 @@ def test_weight_gradient_matches_float64():
     assert (w.grad.double() - ref).abs().max() < 1e-5
 
 
+@pytest.fixture
+def tma_on_the_interpreter(monkeypatch):
+    """The interpreter's matmul config asks for pointer loads; this turns on the grouped kernel's TMA path."""
+    import dataclasses
+
+    from rl_engine.kernels.ops.triton.linear import grouped_matmul as gm
+
+    config = gm.matmul_config
+    monkeypatch.setattr(gm, "matmul_config", lambda dtype, n, k: dataclasses.replace(config(dtype, n, k), tma=True))
+    return gm
+
+
+@DTYPES
+@pytest.mark.parametrize("n, k", [(24, 40), (32, 48)], ids=["tails", "whole"])
+def test_tma_loads_give_the_bits_of_pointer_loads(tma_on_the_interpreter, dtype, n, k):
+    # (24, 40): forward K and N tails (zero-filled columns, next expert's weight rows never stored), the
+    # backward's reduction over 24 weight rows has a tail: pointer path. (32, 48): TMA both ways.
+    gm = tma_on_the_interpreter
+    rows, weight = problem(COUNTS, n, k, dtype)
+    grad_out = problem(COUNTS, n, n, dtype, seed=1)[0]
+    cfg = gm.matmul_config(dtype, n, k)
+    assert gm._descriptors(rows, weight, cfg, False, k) is not None
+    assert (gm._descriptors(grad_out, weight, cfg, True, n) is None) == (n % cfg.block_k != 0)
+
+    def run():
+        r = rows.clone().requires_grad_()
+        out = grouped_matmul(r, weight, COUNTS)
+        out.backward(grad_out)
+        return out.detach(), r.grad
+
+    with_tma = run()
+    assert torch.equal(with_tma[0], loop(rows, weight, COUNTS))
+    descriptors = gm._descriptors
+    gm._descriptors = lambda *args: None
+    try:
+        pointers = run()
+    finally:
+        gm._descriptors = descriptors
+    assert torch.equal(with_tma[0], pointers[0]) and torch.equal(with_tma[1], pointers[1])
+
+
+def test_tma_comparison_catches_a_descriptor_of_the_wrong_expert(tma_on_the_interpreter, monkeypatch):
+    # Planted: the weight descriptor over the experts in reverse order.
+    gm = tma_on_the_interpreter
+    rows, weight = problem(COUNTS, 32, 48, torch.float32)
+    want = loop(rows, weight, COUNTS)
+    descriptors = gm._descriptors
+    monkeypatch.setattr(gm, "_descriptors", lambda a, w, *rest: descriptors(a, w.flip(0).contiguous(), *rest))
+    assert not torch.equal(grouped_matmul(rows, weight, COUNTS), want)
+
+
 def test_bad_inputs_get_one_clear_line():
     rows, weight = problem(COUNTS, 24, 40, torch.float32)
     with pytest.raises(ValueError, match="counts: expected 5 non-negative counts summing to 56"):

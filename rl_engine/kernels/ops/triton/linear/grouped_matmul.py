@@ -31,18 +31,31 @@ import triton.language as tl
 
 from rl_engine.kernels.ops.pytorch.linear.grouped_matmul import NativeGroupedMatmulOp
 from rl_engine.kernels.ops.triton.linear.matmul import matmul_config
-from rl_engine.kernels.ops.triton.runtime import cast_rne, dot_fp32, dot_precision
+from rl_engine.kernels.ops.triton.runtime import (
+    cast_rne,
+    dot_fp32,
+    dot_precision,
+    ensure_cuda_context,
+    host_descriptor,
+    interpreting,
+)
 
 
 @triton.jit
 def _grouped_matmul_kernel(
-    a_ptr, w_ptr, c_ptr, tiles_ptr, N, K,
+    a_ptr, w_ptr, c_ptr, a_desc, w_desc, tiles_ptr, N, K, w_rows,
     stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, TRANSPOSE_W: tl.constexpr,
 ):  # fmt: skip
     # c[r, n] = sum_k a[r, k] w[e, k, n] for the rows r of one expert's tile (w given by strides, so
     # the stored [E,N,K] weight reads as [E,K,N] forward and as itself, transposed, in backward).
+    # TMA: a through a_desc ([R, K] in [BLOCK_M, BLOCK_K] blocks) and w through w_desc, the stored weight
+    # seen as [E·w_rows, K'] in [BLOCK_N, BLOCK_K] blocks (forward: its rows are n) or [BLOCK_K, BLOCK_N]
+    # blocks (TRANSPOSE_W, backward: its rows are k). A tile's rows past its expert's end, and weight rows
+    # past N, read the next expert's rows: they only feed outputs that are never stored. The host takes
+    # this path only when no reduction step reads past K (where the next expert's weight rows would be
+    # multiplied by a's zero-filled columns).
     tile = tiles_ptr + tl.program_id(0) * 3
     expert = tl.load(tile + 0)
     row0 = tl.load(tile + 1)
@@ -64,16 +77,24 @@ def _grouped_matmul_kernel(
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn
               + offs_k[:, None] * stride_wk)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    n0 = tl.program_id(1) * BLOCK_N
     for ki in range(tl.cdiv(K, BLOCK_K)):
-        k_left = K - ki * BLOCK_K
-        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        w = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & n_ok[None, :], other=0.0)
+        if TMA:
+            a = a_desc.load([row0, ki * BLOCK_K])
+            if TRANSPOSE_W:
+                w = w_desc.load([expert * w_rows + ki * BLOCK_K, n0])
+            else:
+                w = w_desc.load([expert * w_rows + n0, ki * BLOCK_K]).T
+        else:
+            k_left = K - ki * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            w = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & n_ok[None, :], other=0.0)
+            a_ptrs += BLOCK_K * stride_ak
+            w_ptrs += BLOCK_K * stride_wk
         if DOT_FP32:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        w_ptrs += BLOCK_K * stride_wk
     c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, cast_rne(acc, c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -147,6 +168,22 @@ def _tile_table(counts: torch.Tensor, block_m: int, rows: int) -> torch.Tensor:
     return tiles
 
 
+def _descriptors(a: torch.Tensor, w: torch.Tensor, cfg, transpose_w: bool, k: int):
+    """Host TMA descriptors of a [R,K] and of the weight [E,N',K'] seen as [E·N', K'], or None (pointer
+    loads): when the config asks for pointers, a layout is not row-major and 16-byte aligned, or the
+    backward's reduction (over the stored weight's rows) would step past an expert's rows."""
+    size = a.element_size()
+    rows_ok = all(t.is_contiguous() and t.data_ptr() % 16 == 0 and (t.shape[-1] * size) % 16 == 0 for t in (a, w))
+    if not cfg.tma or not rows_ok or (transpose_w and k % cfg.block_k):
+        return None
+    if a.is_cuda and not interpreting():
+        ensure_cuda_context(a.device.index)  # autograd's backward thread may have no context yet
+    e, n_w, k_w = w.shape
+    w_block = [cfg.block_k, cfg.block_n] if transpose_w else [cfg.block_n, cfg.block_k]
+    return (host_descriptor(a, list(a.shape), [a.stride(0), 1], [cfg.block_m, cfg.block_k]),
+            host_descriptor(w, [e * n_w, k_w], [k_w, 1], w_block))
+
+
 def _launch(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, *, transpose_w: bool) -> torch.Tensor:
     """a [R,K'] @ (w[e]^T if not transpose_w else w[e]) per expert; w stored [E,N,K]."""
     e, n_w, k_w = w.shape
@@ -158,12 +195,13 @@ def _launch(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, *, transpose
     tiles = _tile_table(counts, cfg.block_m, a.shape[0])
     # Forward reads w[e] as [K,N]: k steps along w's last dim; backward reads it as stored [N',K'].
     stride_wk, stride_wn = (w.stride(1), w.stride(2)) if transpose_w else (w.stride(2), w.stride(1))
+    descs = _descriptors(a, w, cfg, transpose_w, k)
     _grouped_matmul_kernel[(tiles.shape[0], triton.cdiv(n, cfg.block_n))](
-        a, w, out, tiles, n, k,
+        a, w, out, *(descs or (a, w)), tiles, n, k, w.shape[1],
         a.stride(0), a.stride(1), w.stride(0), stride_wk, stride_wn, out.stride(0), out.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_FP32=dot_fp32(a.dtype), INPUT_PRECISION=dot_precision(a.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_FP32=dot_fp32(a.dtype), INPUT_PRECISION=dot_precision(a.dtype), TMA=descs is not None,
+        TRANSPOSE_W=transpose_w, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
