@@ -205,8 +205,14 @@ def compile_linear_logp(kind: str, dtype: torch.dtype):
                      stride_bn=1, stride_cn=1)
     # dH += dlogits @ W[chunk] into the fp32 accumulator; dW[chunk] = dlogits^T @ hidden (A read transposed).
     constants.update(ACCUMULATE=True, stride_ak=1) if kind == "dh" else constants.update(ACCUMULATE=False, stride_am=1)
+    tma = dtype != torch.float32  # what gemm_descriptors decides for these row-major layouts
+    constants.update(TMA=tma, A_TRANS=tma and kind == "dw")
+    bm, bn, bk = gemm["BLOCK_M"], gemm["BLOCK_N"], gemm["BLOCK_K"]
+    gemm_blocks = {"a_desc": [bk, bm] if kind == "dw" else [bm, bk], "b_desc": [bk, bn]}
 
     def gemm_types(name: str) -> str:
+        if name in gemm_blocks:
+            return f"tensordesc<{element[1:]}[{gemm_blocks[name][0]}, {gemm_blocks[name][1]}]>" if tma else element
         if kind == "dh" and name == "c_ptr":
             return "*fp32"
         return types(name)

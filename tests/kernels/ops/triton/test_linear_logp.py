@@ -171,6 +171,30 @@ def test_layouts_tma_cannot_read_give_the_contiguous_bits(h):
     assert torch.equal(weight_t.grad.t(), grads["lm_head_weight"])
 
 
+def test_gradient_gemms_through_tma_give_the_bits_of_pointer_loads(monkeypatch):
+    # dH += dlogits @ W[chunk] and dW[chunk] = dlogits^T @ hidden read their operands through TMA
+    # descriptors (dlogits^T as the stored dlogits, transposed in the kernel); pointer loads must give
+    # the same bits, and a descriptor of the wrong orientation must be seen.
+    from rl_engine.kernels.ops.triton.loss import linear_logp as ll
+
+    inputs = _inputs(3, 7, 100, 32, torch.bfloat16, bias=True, seed=5)
+    grad_out = _grad_out(3, 7)
+    d = torch.zeros(21, 32, dtype=torch.bfloat16, device=DEVICE)
+    gemm = ll.config(torch.bfloat16)["DW"]
+    assert ll.gemm_descriptors(d.t(), inputs["hidden"].reshape(21, 32), gemm)[2], "dW should read dlogits^T via TMA"
+    with_tma = _run(TritonLinearLogpOp(), inputs, grad_out)[1]
+    descriptors = ll.gemm_descriptors
+    monkeypatch.setattr(ll, "gemm_descriptors", lambda a, b, gemm: None)
+    pointers = _run(TritonLinearLogpOp(), inputs, grad_out)[1]
+    for name in with_tma:
+        assert torch.equal(with_tma[name], pointers[name]), name
+    # Planted: the A descriptor read as if it were not transposed (square chunks keep the shapes legal).
+    monkeypatch.setattr(ll, "gemm_descriptors", lambda a, b, gemm: (lambda r: r and (*r[:2], False))(
+        descriptors(a, b, gemm)))
+    planted = _run(TritonLinearLogpOp(), inputs, grad_out)[1]
+    assert not all(torch.equal(with_tma[name], planted[name]) for name in with_tma)
+
+
 def test_frozen_weight_gives_only_the_hidden_gradient():
     inputs = _inputs(2, 3, 37, 16, torch.float32)
     hidden = inputs["hidden"].clone().requires_grad_()

@@ -36,7 +36,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from rl_engine.kernels.ops.pytorch.base import expect_rank, expect_shape
 from rl_engine.kernels.ops.pytorch.loss.linear_logp import NativeLinearLogpOp
 from rl_engine.kernels.ops.triton.loss.logp import LOG2E, exp2_ftz, fold_lse, max_nan
-from rl_engine.kernels.ops.triton.runtime import cast_rne, dot_fp32, interpreting
+from rl_engine.kernels.ops.triton.runtime import (
+    cast_rne,
+    dot_fp32,
+    ensure_cuda_context,
+    host_descriptor,
+    interpreting,
+)
 
 
 def _gemm(block_m, block_n, block_k, num_warps, num_stages, group=16) -> dict:
@@ -196,17 +202,20 @@ def _dlogits_kernel(
 
 @triton.jit
 def _matmul_kernel(
-    a_ptr, b_ptr, c_ptr, row_sum_ptr, M, N, K,
+    a_ptr, b_ptr, c_ptr, a_desc, b_desc, row_sum_ptr, M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     ACCUMULATE: tl.constexpr, ROW_SUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, A_TRANS: tl.constexpr,
 ):
     # C[M, N] (+)= A[M, K] @ B[K, N] in fp32 with a fixed K order; one program owns one C tile, so
     # a row of C depends only on that row of A, and sums over K need no atomics.
     # ACCUMULATE reads C into the accumulator before the loop: reading it after the loop instead
     # measured worse on sm_90 (ptxas: 186 vs 173 registers at 128x128, spills at 128x256).
     # ROW_SUM: programs of the first column-tile also write sum_k A[m, k] (the bias gradient).
+    # TMA: A and B through descriptors (A_TRANS: a_desc holds A^T as stored, [K, M]); their exact shapes
+    # zero-fill every row, column and K step past the end, as the masked loads do: the same operands.
     tile_m, tile_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -225,7 +234,13 @@ def _matmul_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
+        if TMA:
+            if A_TRANS:
+                a = a_desc.load([k * BLOCK_K, tile_m * BLOCK_M]).T
+            else:
+                a = a_desc.load([tile_m * BLOCK_M, k * BLOCK_K])
+            b = b_desc.load([k * BLOCK_K, tile_n * BLOCK_N])
+        elif EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
         else:
@@ -253,16 +268,35 @@ def _dot_options(dtype: torch.dtype) -> dict:
     return dict(DOT_FP32=dot_fp32(dtype), INPUT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
 
 
+def gemm_descriptors(a, b, gemm):
+    """(a_desc, b_desc, a_trans): TMA descriptors of 16-bit a [M,K] (row-major, or the transpose of a
+    row-major [K,M]: a_trans) and b [K,N] (row-major), or None (pointer loads: fp32, other layouts)."""
+    if a.element_size() != 2:
+        return None
+    a_trans = a.stride(1) != 1
+    stored = a.t() if a_trans else a
+    if stored.stride(1) != 1 or b.stride(1) != 1:
+        return None
+    if any(t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16 for t in (stored, b)):
+        return None
+    if a.is_cuda and not interpreting():
+        ensure_cuda_context(a.device.index)  # autograd's backward thread may have no context yet
+    bm, bn, bk = gemm["BLOCK_M"], gemm["BLOCK_N"], gemm["BLOCK_K"]
+    return (host_descriptor(stored, list(stored.shape), [stored.stride(0), 1], [bk, bm] if a_trans else [bm, bk]),
+            host_descriptor(b, list(b.shape), [b.stride(0), 1], [bk, bn]), a_trans)
+
+
 def _matmul(a, b, c, *, accumulate=False, row_sum=None, gemm) -> None:
     """c (+)= a @ b with the tiles of `gemm` (a _gemm(...) dict)."""
     m, k = a.shape
     n = b.shape[1]
     grid = (triton.cdiv(m, gemm["BLOCK_M"]) * triton.cdiv(n, gemm["BLOCK_N"]),)
+    descs = gemm_descriptors(a, b, gemm)
     _matmul_kernel[grid](
-        a, b, c, row_sum if row_sum is not None else c, m, n, k,
+        a, b, c, *(descs[:2] if descs else (a, b)), row_sum if row_sum is not None else c, m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         ACCUMULATE=accumulate, ROW_SUM=row_sum is not None, EVEN_K=k % gemm["BLOCK_K"] == 0,
-        **gemm, **_dot_options(a.dtype),
+        TMA=descs is not None, A_TRANS=bool(descs and descs[2]), **gemm, **_dot_options(a.dtype),
     )
 
 
