@@ -125,10 +125,11 @@ def attention_config(dtype: torch.dtype, head_dim: int) -> AttentionConfig:
         return AttentionConfig(TileConfig(64, 32, 4, 2), TileConfig(64, 32, 4, 2), TileConfig(32, 32, 4, 2))
     # bf16/fp16, head_dim 33…128: chosen on the H200 by benchmarks/attention_tiles.py (2026-11-30 and
     # 2026-12-01 with TMA loads, benchmarks/results/attention_tiles.json); dQ tiles made no measurable difference.
+    # Head_dim 64's backward tiles: 2026-12-01 with TMA (docs/evidence/h200_probe_decode_split_hd64_bwd_d65edc0.log).
     return AttentionConfig(
         forward=TileConfig(64, 64, 4, 3),
-        backward_dq=TileConfig(64, 64, 4, 2),
-        backward_dkdv=TileConfig(64, 64, 4, 2) if head_dim <= 64 else TileConfig(32, 64, 4, 3),
+        backward_dq=TileConfig(64, 64, 4, 3) if head_dim <= 64 else TileConfig(64, 64, 4, 2),
+        backward_dkdv=TileConfig(32, 64, 4, 3),
         flat_splits=flat,
     )
 
@@ -217,6 +218,25 @@ def _whole_kv_block(K, V, KD, VD, k_row0, start_n, stride_kr, k_col, kd_col, d_o
         k = tl.load(K + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
         v = tl.load(V + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
     return k, v
+
+
+@triton.jit
+def _masked_kv_block(K, V, k_row0, start_n, stride_kr, k_col, d_ok, q_pos, kv_len, window, CAUSAL: tl.constexpr,
+                     BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+    """K and V rows [start_n, start_n + BLOCK_N) of a block that needs masks (rows past kv_len load as 0),
+    and which (query, key) pairs of the tile are visible."""
+    k_pos = start_n + tl.arange(0, BLOCK_N)
+    k_ok = k_pos < kv_len
+    k_off = (k_row0 + k_pos).to(tl.int64) * stride_kr
+    kv_mask = k_ok[:, None] & d_ok[None, :]
+    k = tl.load(K + k_off[:, None] + k_col, mask=kv_mask, other=0.0)
+    v = tl.load(V + k_off[:, None] + k_col, mask=kv_mask, other=0.0)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+    visible = k_ok[None, :] & (k_pos[None, :] > q_pos[:, None] - window)
+    if CAUSAL:
+        visible = visible & (k_pos[None, :] <= q_pos[:, None])
+    return k, v, visible
 
 
 @triton.jit
@@ -338,17 +358,8 @@ def _flash_forward_kernel(
         else:
             umid = blo
         for start_n in range(umid, bhi, BLOCK_N):
-            k_pos = start_n + tl.arange(0, BLOCK_N)
-            k_ok = k_pos < kv_len
-            k_off = (k_row0 + k_pos).to(tl.int64) * stride_kr
-            kv_mask = k_ok[:, None] & d_ok[None, :]
-            k = tl.load(K + k_off[:, None] + k_col, mask=kv_mask, other=0.0)
-            v = tl.load(V + k_off[:, None] + k_col, mask=kv_mask, other=0.0)
-            if DOT_FP32:
-                k = k.to(tl.float32)
-            visible = k_ok[None, :] & (k_pos[None, :] > q_pos[:, None] - window)
-            if CAUSAL:
-                visible = visible & (k_pos[None, :] <= q_pos[:, None])
+            k, v, visible = _masked_kv_block(K, V, k_row0, start_n, stride_kr, k_col, d_ok, q_pos, kv_len, window,
+                                             CAUSAL, BLOCK_N, DOT_FP32)
             m, l, acc = _online_softmax_block(q, k, v, m, l, acc, visible, qk_scale, kv_base,
                                               True, DOT_FP32, DOT_PRECISION)
             if not PARTIAL:
@@ -380,17 +391,8 @@ def _flash_forward_kernel(
                     m, l, acc = _online_softmax_block(q, k, v, m, l, acc, None, qk_scale, kv_base,
                                                       False, DOT_FP32, DOT_PRECISION)
             for start_n in range(tl.maximum(mid, b0), s1, BLOCK_N):
-                k_pos = start_n + tl.arange(0, BLOCK_N)
-                k_ok = k_pos < kv_len
-                k_off = (k_row0 + k_pos).to(tl.int64) * stride_kr
-                kv_mask = k_ok[:, None] & d_ok[None, :]
-                k = tl.load(K + k_off[:, None] + k_col, mask=kv_mask, other=0.0)
-                v = tl.load(V + k_off[:, None] + k_col, mask=kv_mask, other=0.0)
-                if DOT_FP32:
-                    k = k.to(tl.float32)
-                visible = k_ok[None, :] & (k_pos[None, :] > q_pos[:, None] - window)
-                if CAUSAL:
-                    visible = visible & (k_pos[None, :] <= q_pos[:, None])
+                k, v, visible = _masked_kv_block(K, V, k_row0, start_n, stride_kr, k_col, d_ok, q_pos, kv_len,
+                                                 window, CAUSAL, BLOCK_N, DOT_FP32)
                 m, l, acc = _online_softmax_block(q, k, v, m, l, acc, visible, qk_scale, kv_base,
                                                   True, DOT_FP32, DOT_PRECISION)
             if not PARTIAL:
