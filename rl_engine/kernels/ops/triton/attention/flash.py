@@ -600,15 +600,9 @@ def _flash_backward_dq_kernel(
                                    EVEN_D, BLOCK_N, TMA)
             dq = _dq_block(q, do, k, v, lse, delta, dq, None, qk_scale, k_base, False, DOT_FP32, DOT_PRECISION)
     for start_n in range(mid, hi, BLOCK_N):
-        k_pos = start_n + tl.arange(0, BLOCK_N)
-        k_ok = k_pos < kv_len
-        k_off = (k_row0 + k_pos).to(tl.int64) * stride_kr
-        kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + k_off[:, None] + k_col, mask=kv_mask, other=0.0)
-        v = tl.load(V + k_off[:, None] + k_col, mask=kv_mask, other=0.0)
-        visible = k_ok[None, :] & row_ok[:, None] & (k_pos[None, :] > q_pos[:, None] - window)
-        if CAUSAL:
-            visible = visible & (k_pos[None, :] <= q_pos[:, None])
+        k, v, visible = _masked_kv_block(K, V, k_row0, start_n, stride_kr, k_col, d_ok, q_pos, kv_len, window,
+                                         CAUSAL, BLOCK_N, False)  # _dq_block upcasts k and v itself
+        visible = visible & row_ok[:, None]
         dq = _dq_block(q, do, k, v, lse, delta, dq, visible, qk_scale, k_base, True, DOT_FP32, DOT_PRECISION)
     dq = dq * scale
     tl.store(DQ + q_off[:, None] + d[None, :], cast_rne(dq, DQ.dtype.element_ty), mask=row_mask)
