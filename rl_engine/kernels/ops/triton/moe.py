@@ -24,16 +24,19 @@ _NO_FMA = {"enable_fp_fusion": False}  # torch's mul and add are two roundings; 
 
 
 @triton.jit
-def _combine_kernel(rows_ptr, w_ptr, slot_ptr, out_ptr, H, stride_r, stride_o,
-                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _slot_sum_kernel(rows_ptr, w_ptr, slot_ptr, out_ptr, H, stride_r, stride_o,
+                     WEIGHTED: tl.constexpr, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    # out[t] = sum over slots s, in slot order, in fp32, of (w[t,s] *) rows[slot[t,s]]: the combine
+    # (WEIGHTED) and the permute's backward.
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     ok = offs < H
     acc = tl.zeros([BLOCK_H], tl.float32)
     for s in tl.static_range(TOP_K):
         row = tl.load(slot_ptr + t * TOP_K + s).to(tl.int64)
-        w = tl.load(w_ptr + t * TOP_K + s).to(tl.float32)
-        term = w * tl.load(rows_ptr + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32)
+        term = tl.load(rows_ptr + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            term = tl.load(w_ptr + t * TOP_K + s).to(tl.float32) * term
         if s == 0:
             acc = term
         else:
@@ -64,23 +67,6 @@ def _combine_backward_kernel(grad_ptr, rows_ptr, w_ptr, slot_ptr, grad_rows_ptr,
         tl.store(grad_w_ptr + t * TOP_K + s, _tree_sum(g * x, BLOCK_H, LOG_H))
 
 
-@triton.jit
-def _permute_backward_kernel(grad_rows_ptr, slot_ptr, out_ptr, H, stride_r, stride_o,
-                             TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_H)
-    ok = offs < H
-    acc = tl.zeros([BLOCK_H], tl.float32)
-    for s in tl.static_range(TOP_K):
-        row = tl.load(slot_ptr + t * TOP_K + s).to(tl.int64)
-        x = tl.load(grad_rows_ptr + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32)
-        if s == 0:
-            acc = x
-        else:
-            acc = acc + x
-    tl.store(out_ptr + t * stride_o + offs, cast_rne(acc, out_ptr.dtype.element_ty), mask=ok)
-
-
 def _launch_options(h: int) -> dict:
     block = triton.next_power_of_2(max(h, 1))
     return dict(BLOCK_H=block, num_warps=4 if block <= 2048 else 8, **_NO_FMA)
@@ -96,8 +82,8 @@ def combine(rows: torch.Tensor, weights: torch.Tensor, row_of_slot: torch.Tensor
     t, k = slots.shape
     out = rows.new_empty((t, rows.shape[1]))
     if t:
-        _combine_kernel[(t,)](rows, weights.contiguous(), slots, out, rows.shape[1], rows.stride(0), out.stride(0),
-                              TOP_K=k, **_launch_options(rows.shape[1]))
+        _slot_sum_kernel[(t,)](rows, weights.contiguous(), slots, out, rows.shape[1], rows.stride(0), out.stride(0),
+                               WEIGHTED=True, TOP_K=k, **_launch_options(rows.shape[1]))
     return out
 
 
@@ -123,6 +109,6 @@ def permute_backward(grad_rows: torch.Tensor, row_of_slot: torch.Tensor) -> torc
     t, k = slots.shape
     out = grad_rows.new_empty((t, grad_rows.shape[1]))
     if t:
-        _permute_backward_kernel[(t,)](grad_rows, slots, out, grad_rows.shape[1], grad_rows.stride(0), out.stride(0),
-                                       TOP_K=k, **_launch_options(grad_rows.shape[1]))
+        _slot_sum_kernel[(t,)](grad_rows, grad_rows, slots, out, grad_rows.shape[1], grad_rows.stride(0),
+                               out.stride(0), WEIGHTED=False, TOP_K=k, **_launch_options(grad_rows.shape[1]))
     return out

@@ -232,10 +232,10 @@ def compile_moe(kind: str):
 
     from rl_engine.kernels.ops.triton import moe
 
-    fn = {"combine": moe._combine_kernel, "combine_backward": moe._combine_backward_kernel,
-          "permute_backward": moe._permute_backward_kernel}[kind]
+    fn = moe._combine_backward_kernel if kind == "combine_backward" else moe._slot_sum_kernel
     launch = moe._launch_options(2048)
-    constants = {"TOP_K": 8, "BLOCK_H": launch["BLOCK_H"], "LOG_H": moe._log2(launch["BLOCK_H"])}
+    constants = {"TOP_K": 8, "BLOCK_H": launch["BLOCK_H"], "LOG_H": moe._log2(launch["BLOCK_H"]),
+                 "WEIGHTED": kind == "combine"}
     names = fn.arg_names
     constants = {k: v for k, v in constants.items() if k in names}
     signature = {n: "constexpr" if n in constants else
