@@ -174,10 +174,11 @@ def test_gpu_qwen3_30b_a3b_experts_bitwise_to_the_loop(n, k):
     assert (w.grad.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
 
 
-@pytest.mark.parametrize("counts", [COUNTS, [0, 0, 0], [16, 16], [0, 40, 0, 0, 7], [3] * 40], ids=str)
+@pytest.mark.parametrize("counts", [COUNTS, [0, 0, 0], [16, 16], [0, 40, 0, 0, 7], [3] * 40, [17] * 50], ids=str)
 def test_the_tile_table_is_built_on_the_device_without_the_counts_on_the_host(counts):
     """Each expert's rows cut into 16-row tiles, experts in order, then empty tiles up to the bound
-    cdiv(rows, 16) + E that the host knows without reading the counts."""
+    cdiv(rows, 16) + E that the host knows without reading the counts ([17] * 50: 150 tiles, located by
+    three programs)."""
     from rl_engine.kernels.ops.triton.linear.grouped_matmul import _tile_table
 
     table, row = [], 0

@@ -40,6 +40,8 @@ from rl_engine.kernels.ops.triton.runtime import (
     interpreting,
 )
 
+TILE_TABLE_BLOCK = 64  # tiles located by one program of the table kernel
+
 
 @triton.jit
 def _grouped_matmul_kernel(
@@ -56,14 +58,19 @@ def _grouped_matmul_kernel(
     # past N, read the next expert's rows: they only feed outputs that are never stored. The host takes
     # this path only when no reduction step reads past K (where the next expert's weight rows would be
     # multiplied by a's zero-filled columns).
-    tile = tiles_ptr + tl.program_id(0) * 3
+    # One program per (tile, column block), column blocks fastest: the programs running together share
+    # a tile's rows and an expert's weight, so both are read from HBM about once (with tiles fastest,
+    # every column block re-read all the rows from HBM: N / BLOCK_N times the rows' bytes).
+    num_n = tl.cdiv(N, BLOCK_N)
+    tile = tiles_ptr + (tl.program_id(0) // num_n) * 3
+    n0 = (tl.program_id(0) % num_n) * BLOCK_N
     expert = tl.load(tile + 0)
     row0 = tl.load(tile + 1)
     row_end = tl.load(tile + 2)
     if row_end <= row0:  # past the last tile (the grid is a bound): nothing to do
         return
     offs_m = row0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < row_end
     n_ok = offs_n < N
@@ -77,7 +84,6 @@ def _grouped_matmul_kernel(
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn
               + offs_k[:, None] * stride_wk)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    n0 = tl.program_id(1) * BLOCK_N
     for ki in range(tl.cdiv(K, BLOCK_K)):
         if TMA:
             a = a_desc.load([row0, ki * BLOCK_K])
@@ -107,10 +113,14 @@ def _grouped_weight_grad_kernel(
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     # dw[e, n, k] = sum over the rows r of expert e, in order, of g[r, n] a[r, k].
-    expert = tl.program_id(0)
+    # One program per (expert, n block, k block), an expert's blocks adjacent: its rows of g and a stay
+    # in L2 while every block of its gradient reads them (experts fastest re-read them per block).
     num_k = tl.cdiv(K, BLOCK_K)
-    offs_n = (tl.program_id(1) // num_k) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = (tl.program_id(1) % num_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+    blocks = tl.cdiv(N, BLOCK_N) * num_k
+    expert = tl.program_id(0) // blocks
+    block = tl.program_id(0) % blocks
+    offs_n = (block // num_k) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = (block % num_k) * BLOCK_K + tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     k_ok = offs_k < K
     first = tl.load(starts_ptr + expert)
@@ -135,26 +145,26 @@ def _grouped_weight_grad_kernel(
 @triton.jit
 def _tile_table_kernel(counts_ptr, tiles_ptr, num_experts, num_tiles,
                        BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
-    # One program. The experts before tile t's expert are those whose tiles all end at or before t:
-    # counting them, and summing their rows and tiles, locates tile t. Past the last tile: (0, 0, 0).
+    # One program per BLOCK_T tiles (each re-derives the experts' tile counts: E numbers). The experts
+    # before tile t's expert are those whose tiles all end at or before t: counting them, and summing
+    # their rows and tiles, locates tile t. Past the last tile: (0, 0, 0).
     e = tl.arange(0, E_PAD)
     counts = tl.load(counts_ptr + e, mask=e < num_experts, other=0).to(tl.int32)
     per = (counts + (BLOCK_M - 1)) // BLOCK_M  # tiles of each expert
     tile_ends = tl.cumsum(per, 0)
-    for t0 in range(0, num_tiles, BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T)
-        before = tile_ends[None, :] <= t[:, None]  # [BLOCK_T, E_PAD]
-        expert = tl.sum(before.to(tl.int32), 1)
-        rows_before = tl.sum(tl.where(before, counts[None, :], 0), 1)
-        first = rows_before + (t - tl.sum(tl.where(before, per[None, :], 0), 1)) * BLOCK_M
-        count = tl.sum(tl.where(e[None, :] == expert[:, None], counts[None, :], 0), 1)
-        end = tl.minimum(first + BLOCK_M, rows_before + count)
-        used = expert < num_experts
-        out = tiles_ptr + t * 3
-        ok = t < num_tiles
-        tl.store(out + 0, tl.where(used, expert, 0), mask=ok)
-        tl.store(out + 1, tl.where(used, first, 0), mask=ok)
-        tl.store(out + 2, tl.where(used, end, 0), mask=ok)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    before = tile_ends[None, :] <= t[:, None]  # [BLOCK_T, E_PAD]
+    expert = tl.sum(before.to(tl.int32), 1)
+    rows_before = tl.sum(tl.where(before, counts[None, :], 0), 1)
+    first = rows_before + (t - tl.sum(tl.where(before, per[None, :], 0), 1)) * BLOCK_M
+    count = tl.sum(tl.where(e[None, :] == expert[:, None], counts[None, :], 0), 1)
+    end = tl.minimum(first + BLOCK_M, rows_before + count)
+    used = expert < num_experts
+    out = tiles_ptr + t * 3
+    ok = t < num_tiles
+    tl.store(out + 0, tl.where(used, expert, 0), mask=ok)
+    tl.store(out + 1, tl.where(used, first, 0), mask=ok)
+    tl.store(out + 2, tl.where(used, end, 0), mask=ok)
 
 
 def _tile_table(counts: torch.Tensor, block_m: int, rows: int) -> torch.Tensor:
@@ -163,8 +173,8 @@ def _tile_table(counts: torch.Tensor, block_m: int, rows: int) -> torch.Tensor:
     needs no count on the host. One launch on the device counts (no host sync)."""
     e = counts.numel()
     tiles = torch.empty(triton.cdiv(rows, block_m) + e, 3, dtype=torch.int32, device=counts.device)
-    _tile_table_kernel[(1,)](counts, tiles, e, tiles.shape[0], BLOCK_M=block_m,
-                             E_PAD=triton.next_power_of_2(e), BLOCK_T=64)
+    _tile_table_kernel[(triton.cdiv(tiles.shape[0], TILE_TABLE_BLOCK),)](
+        counts, tiles, e, tiles.shape[0], BLOCK_M=block_m, E_PAD=triton.next_power_of_2(e), BLOCK_T=TILE_TABLE_BLOCK)
     return tiles
 
 
@@ -196,7 +206,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, *, transpose
     # Forward reads w[e] as [K,N]: k steps along w's last dim; backward reads it as stored [N',K'].
     stride_wk, stride_wn = (w.stride(1), w.stride(2)) if transpose_w else (w.stride(2), w.stride(1))
     descs = _descriptors(a, w, cfg, transpose_w, k)
-    _grouped_matmul_kernel[(tiles.shape[0], triton.cdiv(n, cfg.block_n))](
+    _grouped_matmul_kernel[(tiles.shape[0] * triton.cdiv(n, cfg.block_n),)](
         a, w, out, *(descs or (a, w)), tiles, n, k, w.shape[1],
         a.stride(0), a.stride(1), w.stride(0), stride_wk, stride_wn, out.stride(0), out.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -213,7 +223,7 @@ def _weight_grad(grad_out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, count
     # The row step is the matmul table's K step: the reduction over tokens walks them in BLOCK_K rows.
     block_n, block_k, block_r = min(cfg.block_m, 128), min(cfg.block_n, 128), cfg.block_k
     starts = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
-    _grouped_weight_grad_kernel[(e, triton.cdiv(n, block_n) * triton.cdiv(k, block_k))](
+    _grouped_weight_grad_kernel[(e * triton.cdiv(n, block_n) * triton.cdiv(k, block_k),)](
         grad_out, a, dw, starts, n, k,
         grad_out.stride(0), grad_out.stride(1), a.stride(0), a.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
