@@ -36,7 +36,9 @@ roughly T*8/128 rows each (min/max are recorded per row).
   out_max_diff / dx_max_diff: max |impl - grouped_mm_layer| of the output and the input gradient
   (bf16; a near-tie in the top-8 can route one token differently and show as a larger diff).
   top_kernels (triton, grouped_mm_layer): the kernels taking the most time in one forward + backward
-  (torch.profiler), printed after the table: where the layer's time goes.
+  (torch.profiler), printed after the table: where the layer's time goes; gpu_fwd_bwd_ms: all its
+  kernels' time summed, gpu_x_grouped_mm the same ratio on it: the GPU's share of fwd_bwd_ms, which
+  a slow host stretches (the grouped_mm layer's bincount reads back, so no CUDA graph for it).
 
 --device cpu (hidden): toy shapes under the Triton interpreter, a wall-clock timer, no CUDA graphs,
 no peak memory: every other code path, for tests/benchmarks/test_moe_smoke.py.
@@ -432,9 +434,9 @@ GRAD_NAMES = ("dx", "drouter", "dgate_up", "ddown")
 PROFILED = ("triton", "grouped_mm_layer")  # where a layer's forward + backward time goes, kernel by kernel
 
 
-def top_kernels(layer: Layer, x, grad_out, device: str, count: int = 12) -> list[dict]:
+def top_kernels(layer: Layer, x, grad_out, device: str, count: int = 12) -> tuple[list[dict], float]:
     """The kernels (CUDA; on the CPU, its ops) that take the most time in one forward + backward, after a
-    warm-up call: [{"name", "ms", "calls"}], by total time. Where the layer's time goes, not a timing."""
+    warm-up call: [{"name", "ms", "calls"}], by total time, and all of them summed (ms)."""
     from torch.profiler import ProfilerActivity, profile
 
     xg = x.detach().requires_grad_()
@@ -447,8 +449,9 @@ def top_kernels(layer: Layer, x, grad_out, device: str, count: int = 12) -> list
             torch.cuda.synchronize()
     events = prof.key_averages()
     total = (lambda e: e.device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
-    rows = sorted((e for e in events if total(e) > 0), key=total, reverse=True)[:count]
-    return [{"name": e.key[:80], "ms": total(e) / 1e3, "calls": e.count} for e in rows]
+    rows = sorted((e for e in events if total(e) > 0), key=total, reverse=True)
+    top = [{"name": e.key[:80], "ms": total(e) / 1e3, "calls": e.count} for e in rows[:count]]
+    return top, sum(total(e) for e in rows) / 1e3
 
 
 def _diffs(out, grads, ref) -> dict:
@@ -463,7 +466,8 @@ def _diffs(out, grads, ref) -> dict:
 
 
 def _top_kernels_row(layer, x, grad_out, device) -> dict:
-    return {"top": top_kernels(layer, x, grad_out, device)}
+    top, summed = top_kernels(layer, x, grad_out, device)
+    return {"top": top, "gpu_ms": summed}
 
 
 def layer_section(s: Shapes, token_list, weights, timer: Timer, device: str, grouped_status,
@@ -493,6 +497,8 @@ def layer_section(s: Shapes, token_list, weights, timer: Timer, device: str, gro
             if name in PROFILED:
                 kernels = measure(f"  kernels of {name}", _top_kernels_row, layer, x, grad_out, device)
                 row["top_kernels"] = kernels.get("top", kernels.get("error"))
+                if device == "cuda" and "gpu_ms" in kernels:
+                    row["gpu_fwd_bwd_ms"] = kernels["gpu_ms"]
             if ref is None:
                 ref, ref_name = (out, grads), name
             row.update(diff_reference=ref_name, **_diffs(out, grads, ref))
@@ -503,6 +509,8 @@ def layer_section(s: Shapes, token_list, weights, timer: Timer, device: str, gro
             for key in ("fwd_ms", "fwd_bwd_ms", "fwd_bwd_peak_mb"):
                 if row.get(key) and base.get(key):
                     row[f"{key.removesuffix('_ms').removesuffix('_mb')}_x_grouped_mm"] = row[key] / base[key]
+            if row.get("gpu_fwd_bwd_ms") and base.get("gpu_fwd_bwd_ms"):
+                row["gpu_x_grouped_mm"] = row["gpu_fwd_bwd_ms"] / base["gpu_fwd_bwd_ms"]
         rows += [{"tokens": tokens, "impl": name, **row} for name, row in results.items()]
         del x, grad_out, ref
     del impls
@@ -514,7 +522,8 @@ def layer_section(s: Shapes, token_list, weights, timer: Timer, device: str, gro
 GEMM_COLUMNS = ["gemm", "tokens", "rows", "impl", "ms", "tflop_per_s", "pct_of_best_peer", "pct_of_dense_ref",
                 "graph_ms", "graph_tflop_per_s", "graph_pct_of_best_peer", "max_abs_diff", "bitwise_vs_triton_loop",
                 "error"]
-LAYER_COLUMNS = ["tokens", "impl", "fwd_ms", "fwd_bwd_ms", "fwd_bwd_x_grouped_mm", "fwd_peak_mb", "fwd_bwd_peak_mb",
+LAYER_COLUMNS = ["tokens", "impl", "fwd_ms", "fwd_bwd_ms", "fwd_bwd_x_grouped_mm", "gpu_fwd_bwd_ms", "gpu_x_grouped_mm",
+                 "fwd_peak_mb", "fwd_bwd_peak_mb",
                  "fwd_bwd_peak_x_grouped_mm", "out_rel_l2", "dx_rel_l2", "drouter_rel_l2", "dgate_up_rel_l2",
                  "ddown_rel_l2", "error"]
 
