@@ -59,16 +59,35 @@ def router_softmax(logits: torch.Tensor) -> torch.Tensor:
     return (ex / tree_sum(ex)[:, None])[:, :e]
 
 
+def route_torch(logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
+    """(weights [T,k], experts [T,k], probs [T,E], picked [T,k]): the routing as torch ops (CPU, float64)."""
+    probs = router_softmax(logits)
+    # Stable: among equal probabilities the lower expert index comes first.
+    experts = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k].contiguous()
+    picked = probs.gather(-1, experts)
+    weights = picked / tree_sum(picked)[:, None] if norm_topk_prob else picked
+    return weights, experts, probs, picked
+
+
+def route_backward_torch(grad_weights, probs, experts, picked, norm_topk_prob: bool, dtype: torch.dtype):
+    g = grad_weights.to(probs.dtype)
+    if norm_topk_prob:  # w = p / S, S = sum of p: dp = (g - sum(g * w)) / S
+        total = tree_sum(picked)[:, None]
+        g = (g - tree_sum(g * (picked / total))[:, None]) / total
+    # p = softmax(l): dl = p * (dp - sum(p * dp)); dp is zero off the chosen experts.
+    dp = torch.zeros_like(probs).scatter(-1, experts, g)
+    dl = probs * (dp - tree_sum(picked * g)[:, None])
+    return dl.to(dtype)
+
+
 class _Route(torch.autograd.Function):
-    """logits [T,E] -> (fp32 weights [T,k], expert ids [T,k]), with a hand-written backward."""
+    """logits [T,E] -> (fp32 weights [T,k], expert ids [T,k]), with a hand-written backward; on CUDA one
+    Triton kernel each way (rl_engine.kernels.ops.triton.moe.route), with these bits."""
 
     @staticmethod
     def forward(ctx, logits, top_k, norm_topk_prob):
-        probs = router_softmax(logits)
-        # Stable: among equal probabilities the lower expert index comes first.
-        experts = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k].contiguous()
-        picked = probs.gather(-1, experts)
-        weights = picked / tree_sum(picked)[:, None] if norm_topk_prob else picked
+        routing = moe_kernels.route if _on_triton(logits) else route_torch
+        weights, experts, probs, picked = routing(logits, top_k, norm_topk_prob)
         ctx.save_for_backward(probs, experts, picked)
         ctx.norm_topk_prob, ctx.logits_dtype = norm_topk_prob, logits.dtype
         ctx.mark_non_differentiable(experts)
@@ -77,14 +96,8 @@ class _Route(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_weights, _grad_experts):
         probs, experts, picked = ctx.saved_tensors
-        g = grad_weights.to(probs.dtype)
-        if ctx.norm_topk_prob:  # w = p / S, S = sum of p: dp = (g - sum(g * w)) / S
-            total = tree_sum(picked)[:, None]
-            g = (g - tree_sum(g * (picked / total))[:, None]) / total
-        # p = softmax(l): dl = p * (dp - sum(p * dp)); dp is zero off the chosen experts.
-        dp = torch.zeros_like(probs).scatter(-1, experts, g)
-        dl = probs * (dp - tree_sum(picked * g)[:, None])
-        return dl.to(ctx.logits_dtype), None, None
+        backward = moe_kernels.route_backward if _on_triton(probs) else route_backward_torch
+        return backward(grad_weights, probs, experts, picked, ctx.norm_topk_prob, ctx.logits_dtype), None, None
 
 
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:

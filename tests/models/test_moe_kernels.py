@@ -1,8 +1,10 @@
-"""The MoE combine and permute backward in Triton give the bits of their torch form (rl_engine.models.moe),
-on the CPU interpreter here and on CUDA in the GPU gate: forward, grad_rows, grad_weights, grad_x."""
+"""The MoE router, combine and permute backward in Triton give the bits of their torch form
+(rl_engine.models.moe), on the CPU interpreter here and on CUDA in the GPU gate: forward, grad_rows,
+grad_weights, grad_x, and the router's weights, experts, probabilities and logits' gradient."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -73,3 +75,67 @@ def test_the_comparison_catches_a_reordered_sum(monkeypatch):
 @pytest.mark.parametrize("t,k,h", [(4096, 8, 2048), (7, 8, 1000)])
 def test_the_triton_combine_has_the_torch_bits_on_cuda(t, k, h):
     assert _compare(t, k, h, torch.bfloat16, "cuda") == []
+
+
+def _router_problem(t, e, k, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # Integer-valued logits in a narrow range: many exact ties, which the top-k breaks to the lower expert.
+    logits = torch.randint(-3, 4, (t, e), generator=g).float().add(torch.rand(t, e, generator=g).round())
+    grad = torch.randn(t, k, generator=g)
+    grad[0, 0] = -0.0  # a signed zero must reach the scatter as is
+    return logits.to(dtype).to(device), grad.to(device)
+
+
+def _compare_router(t, e, k, norm, dtype, device):
+    logits, grad = _router_problem(t, e, k, dtype, device)
+    names = ("weights", "experts", "probs", "picked")
+    want = moe.route_torch(logits, k, norm)
+    got = kernels.route(logits, k, norm)
+    # Bits, not values: torch.equal would let -0.0 pass for +0.0.
+    bits = (lambda x: x.contiguous().view(torch.int32) if x.is_floating_point() else x)  # noqa: E731
+    bad = [n for n, a, b in zip(names, got, want, strict=True) if a.shape != b.shape or not torch.equal(bits(a), bits(b))]
+    ref = moe.route_backward_torch(grad, want[2], want[1], want[3], norm, dtype)
+    dl = kernels.route_backward(grad, got[2], got[1], got[3], norm, dtype)
+    if dl.dtype != ref.dtype or not torch.equal(dl.view(torch.int8), ref.view(torch.int8)):
+        bad.append("dlogits")
+    return bad
+
+
+def _numpy_exp(x):
+    # The interpreter's exp is numpy's; torch's CPU exp differs from it in the last bit, so the torch form
+    # runs with numpy's here (on CUDA both are libdevice's expf, compared as they are).
+    return torch.from_numpy(np.exp(x.cpu().numpy())).to(x.device)
+
+
+# E = 6 and 40: padded to 64 lanes; 128: Qwen3-30B-A3B; k = 3: the tree pads the slots with a zero.
+@pytest.mark.parametrize("t,e,k,norm", [(6, 8, 2, True), (4, 128, 8, True), (5, 6, 3, False), (3, 40, 3, True)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_the_triton_router_has_the_torch_bits(monkeypatch, t, e, k, norm, dtype):
+    monkeypatch.setattr(torch, "exp", _numpy_exp)
+    assert _compare_router(t, e, k, norm, dtype, "cpu") == []
+
+
+def test_the_router_comparison_catches_a_tie_broken_upwards(monkeypatch):
+    # Planted: among equal probabilities the higher expert first (an unstable descending order).
+    monkeypatch.setattr(torch, "exp", _numpy_exp)
+    real_sort = torch.sort
+
+    def upward_ties(x, dim=-1, descending=False, stable=False):
+        flipped = real_sort(x.flip(dim), dim=dim, descending=descending, stable=True)
+        return torch.return_types.sort((flipped.values, x.shape[dim] - 1 - flipped.indices))
+
+    monkeypatch.setattr(torch, "sort", upward_ties)
+    assert "experts" in _compare_router(6, 8, 2, True, torch.float32, "cpu")
+
+
+def test_the_router_comparison_catches_a_reordered_sum(monkeypatch):
+    monkeypatch.setattr(torch, "exp", _numpy_exp)
+    monkeypatch.setattr(moe, "tree_sum", lambda x: x.flip(-1).cumsum(-1)[..., -1])
+    assert "probs" in _compare_router(4, 128, 8, True, torch.float32, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,e,k", [(4096, 128, 8), (7, 6, 3)])
+def test_the_triton_router_has_the_torch_bits_on_cuda(t, e, k):
+    for norm in (True, False):
+        assert _compare_router(t, e, k, norm, torch.bfloat16, "cuda") == []

@@ -220,31 +220,37 @@ def compile_linear_logp(kind: str, dtype: torch.dtype):
     return _compile(ll._matmul_kernel, constants, gemm_types, gemm["num_warps"], gemm["num_stages"])
 
 
-MOE_KERNELS = ("combine", "combine_backward", "permute_backward")
+MOE_KERNELS = ("combine", "combine_backward", "permute_backward", "route", "route_backward")
 
 
 def compile_moe(kind: str):
-    """The MoE combine / permute-backward kernel at Qwen3-30B-A3B's hidden 2048, k = 8, bf16, with the
-    launch options the model uses (which must forbid fma contraction: torch rounds mul and add apart)."""
+    """The MoE combine / permute-backward kernels at Qwen3-30B-A3B's hidden 2048, k = 8, and the router's
+    at 128 experts, bf16, with the launch options the model uses (which must forbid fma contraction:
+    torch rounds mul and add apart)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from rl_engine.kernels.ops.triton import moe
 
-    fn = moe._combine_backward_kernel if kind == "combine_backward" else moe._slot_sum_kernel
+    fn = {"combine_backward": moe._combine_backward_kernel, "route": moe._route_kernel,
+          "route_backward": moe._route_backward_kernel}.get(kind, moe._slot_sum_kernel)
     launch = moe._launch_options(2048)
     constants = {"TOP_K": 8, "BLOCK_H": launch["BLOCK_H"], "LOG_H": moe._log2(launch["BLOCK_H"]),
-                 "WEIGHTED": kind == "combine"}
+                 "WEIGHTED": kind == "combine", "NORM": True, "LIBDEVICE_EXP": True, "BLOCK_E": 128, "LOG_E": 7,
+                 "BLOCK_K": 8, "LOG_K": 3}
     names = fn.arg_names
     constants = {k: v for k, v in constants.items() if k in names}
+    fp32 = {"grad_w_ptr", "probs_ptr", "weights_ptr", "picked_ptr", "grad_ptr" if kind == "route_backward" else ""}
     signature = {n: "constexpr" if n in constants else
-                 "*i64" if n == "slot_ptr" else "*fp32" if n == "grad_w_ptr" else
+                 "*i64" if n in ("slot_ptr", "experts_ptr") else "*fp32" if n in fp32 else
                  "*bf16" if n.endswith("_ptr") else "i32" for n in names}
     source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()},
                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names
                               if n.endswith("_ptr") or n in ("H", "stride_r", "stride_o", "stride_g")})
     options = {k: v for k, v in launch.items() if k not in constants}
+    if kind.startswith("route"):
+        options = moe._ROUTER_OPTIONS
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(options, num_stages=1))
 
 
@@ -254,7 +260,7 @@ def _summary(kernel, registers: bool = False) -> dict:
     # 16-byte async copies (a grouped GEMM whose operand lost its contiguity was 5x slower on the H200).
     summary = {"shared": kernel.metadata.shared, "cubin": len(kernel.asm.get("cubin", b"")),
                "wgmma": ptx.count("wgmma.mma_async"), "scalar_loads": len(re.findall(r"ld\.global\.[bu]16", ptx)),
-               "fma": len(re.findall(r"\bfma\.rn\.f32", ptx))}
+               "fma": len(re.findall(r"\bfma\.rn\.f32", ptx)), "ftz_fma": len(re.findall(r"\bfma\.r[nmzp]\.ftz\.f32", ptx))}
     if registers:
         summary.update(ptxas_registers(ptx))
     return summary

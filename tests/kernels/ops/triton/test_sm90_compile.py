@@ -84,11 +84,29 @@ def test_linear_logp_compiles_for_the_h200(report, kind, dtype):
 
 
 @pytest.mark.parametrize("kind", MOE_KERNELS)
-def test_moe_combine_kernels_compile_without_fma_contraction(report, kind):
-    # Their bits equal torch's only while every product and sum is rounded on its own (no fma).
+def test_moe_kernels_compile_without_fma_contraction(report, kind):
+    # Their bits equal torch's only while every product and sum is rounded on its own (no fma). The
+    # router's fmas are libdevice's expf's own (torch's CUDA exp runs the same ones), in the form
+    # without flush-to-zero, as torch is built.
     result = report[f"moe_{kind}/bf16"]
     assert "error" not in result, result["error"]
-    assert result["cubin"] > 0 and result["fma"] == 0, result
+    assert result["cubin"] > 0 and result["ftz_fma"] == 0, result
+    if kind != "route":
+        assert result["fma"] == 0, result
+
+
+def test_the_ftz_count_sees_libdevice_flushing_denormals():
+    # Planted: the router compiled with libdevice's flush-to-zero form (Triton's default).
+    code = (
+        "import json, unittest.mock as m\n"
+        "from rl_engine.kernels.ops.triton import moe, sm90\n"
+        "with m.patch.object(moe, '_ROUTER_OPTIONS', dict(moe._ROUTER_OPTIONS, enable_reflect_ftz=True)):\n"
+        "    print(json.dumps(sm90._summary(sm90.compile_moe('route'))))\n"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["ftz_fma"] > 0
 
 
 def test_the_fma_count_sees_a_contraction():
