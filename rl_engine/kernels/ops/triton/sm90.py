@@ -114,15 +114,17 @@ def compile_grouped_matmul(kind: str, dtype: torch.dtype):
         fn = gm._grouped_weight_grad_kernel
         blocks = {}
         constants = dict(BLOCK_N=min(cfg.block_m, 128), BLOCK_K=min(cfg.block_n, 128), BLOCK_R=cfg.block_k,
-                         DOT_FP32=False, INPUT_PRECISION=precision)
+                         E_PAD=128, DOT_FP32=False, INPUT_PRECISION=precision)
     unit = _UNIT_STRIDES ^ {"stride_wk", "stride_wn"} if kind == "matmul_w_along_n" else _UNIT_STRIDES
     constants.update({name: 1 for name in fn.arg_names if name in unit})
 
     def types(name: str) -> str:
         if name in ("a_desc", "w_desc"):
             return f"tensordesc<{element[1:]}[{blocks[name][0]}, {blocks[name][1]}]>" if cfg.tma else element
-        if name in ("tiles_ptr", "starts_ptr"):
+        if name == "tiles_ptr":
             return "*i32"
+        if name == "counts_ptr":
+            return "*i64"
         return element if name.endswith("_ptr") else "i32"
 
     return _compile(fn, constants, types, cfg.num_warps, cfg.num_stages)

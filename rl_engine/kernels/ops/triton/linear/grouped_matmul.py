@@ -107,9 +107,9 @@ def _grouped_matmul_kernel(
 
 @triton.jit
 def _grouped_weight_grad_kernel(
-    g_ptr, a_ptr, dw_ptr, starts_ptr, N, K,
+    g_ptr, a_ptr, dw_ptr, counts_ptr, num_experts, N, K,
     stride_gm, stride_gn, stride_am, stride_ak, stride_de, stride_dn, stride_dk,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, E_PAD: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     # dw[e, n, k] = sum over the rows r of expert e, in order, of g[r, n] a[r, k].
@@ -123,8 +123,11 @@ def _grouped_weight_grad_kernel(
     offs_k = (block % num_k) * BLOCK_K + tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     k_ok = offs_k < K
-    first = tl.load(starts_ptr + expert)
-    last = tl.load(starts_ptr + expert + 1)
+    # The expert's rows start after those of the experts before it (E counts: cheaper than a launch).
+    e = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + e, mask=e < num_experts, other=0)
+    first = tl.sum(tl.where(e < expert, counts, 0), axis=0)
+    last = first + tl.sum(tl.where(e == expert, counts, 0), axis=0)
     offs_r = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for r0 in range(first, last, BLOCK_R):
@@ -194,15 +197,18 @@ def _descriptors(a: torch.Tensor, w: torch.Tensor, cfg, transpose_w: bool, k: in
             host_descriptor(w, [e * n_w, k_w], [k_w, 1], w_block))
 
 
-def _launch(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, *, transpose_w: bool) -> torch.Tensor:
-    """a [R,K'] @ (w[e]^T if not transpose_w else w[e]) per expert; w stored [E,N,K]."""
+def _launch(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, *, transpose_w: bool, tables: dict):
+    """a [R,K'] @ (w[e]^T if not transpose_w else w[e]) per expert; w stored [E,N,K]. `tables`: tile
+    tables by BLOCK_M, filled here; the backward reuses the forward's (the same counts and rows)."""
     e, n_w, k_w = w.shape
     n, k = (k_w, n_w) if transpose_w else (n_w, k_w)
     out = torch.empty(a.shape[0], n, dtype=a.dtype, device=a.device)
     cfg = matmul_config(a.dtype, n, k)
     if a.shape[0] == 0 or n == 0:
         return out
-    tiles = _tile_table(counts, cfg.block_m, a.shape[0])
+    if cfg.block_m not in tables:
+        tables[cfg.block_m] = _tile_table(counts, cfg.block_m, a.shape[0])
+    tiles = tables[cfg.block_m]
     # Forward reads w[e] as [K,N]: k steps along w's last dim; backward reads it as stored [N',K'].
     stride_wk, stride_wn = (w.stride(1), w.stride(2)) if transpose_w else (w.stride(2), w.stride(1))
     descs = _descriptors(a, w, cfg, transpose_w, k)
@@ -222,11 +228,10 @@ def _weight_grad(grad_out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, count
     cfg = matmul_config(a.dtype, n, k)
     # The row step is the matmul table's K step: the reduction over tokens walks them in BLOCK_K rows.
     block_n, block_k, block_r = min(cfg.block_m, 128), min(cfg.block_n, 128), cfg.block_k
-    starts = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
     _grouped_weight_grad_kernel[(e * triton.cdiv(n, block_n) * triton.cdiv(k, block_k),)](
-        grad_out, a, dw, starts, n, k,
+        grad_out, a, dw, counts, e, n, k,
         grad_out.stride(0), grad_out.stride(1), a.stride(0), a.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
-        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
+        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, E_PAD=triton.next_power_of_2(e),
         DOT_FP32=dot_fp32(a.dtype), INPUT_PRECISION=dot_precision(a.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -237,13 +242,15 @@ class _GroupedMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, weight, counts):
         ctx.save_for_backward(rows, weight, counts)
-        return _launch(rows, weight, counts, transpose_w=False)
+        ctx.tables = {}
+        return _launch(rows, weight, counts, transpose_w=False, tables=ctx.tables)
 
     @staticmethod
     def backward(ctx, grad_out):
         rows, weight, counts = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        d_rows = _launch(grad_out, weight, counts, transpose_w=True) if ctx.needs_input_grad[0] else None
+        d_rows = (_launch(grad_out, weight, counts, transpose_w=True, tables=ctx.tables)
+                  if ctx.needs_input_grad[0] else None)
         d_weight = _weight_grad(grad_out, rows, weight, counts) if ctx.needs_input_grad[1] else None
         return d_rows, d_weight, None
 
