@@ -60,13 +60,14 @@ def router_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def route_torch(logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
-    """(weights [T,k], experts [T,k], probs [T,E], picked [T,k]): the routing as torch ops (CPU, float64)."""
+    """(weights [T,k] in the logits' dtype, experts [T,k], probs [T,E], picked [T,k]): the routing as torch
+    ops (CPU, float64); probs and picked in fp32 (float64 for float64 logits)."""
     probs = router_softmax(logits)
     # Stable: among equal probabilities the lower expert index comes first.
     experts = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k].contiguous()
     picked = probs.gather(-1, experts)
     weights = picked / tree_sum(picked)[:, None] if norm_topk_prob else picked
-    return weights, experts, probs, picked
+    return weights.to(logits.dtype), experts, probs, picked
 
 
 def route_backward_torch(grad_weights, probs, experts, picked, norm_topk_prob: bool, dtype: torch.dtype):
@@ -81,8 +82,8 @@ def route_backward_torch(grad_weights, probs, experts, picked, norm_topk_prob: b
 
 
 class _Route(torch.autograd.Function):
-    """logits [T,E] -> (fp32 weights [T,k], expert ids [T,k]), with a hand-written backward; on CUDA one
-    Triton kernel each way (rl_engine.kernels.ops.triton.moe.route), with these bits."""
+    """logits [T,E] -> (weights [T,k] in the logits' dtype, expert ids [T,k]), with a hand-written backward;
+    on CUDA one Triton kernel each way (rl_engine.kernels.ops.triton.moe.route), with these bits."""
 
     @staticmethod
     def forward(ctx, logits, top_k, norm_topk_prob):
@@ -102,8 +103,7 @@ class _Route(torch.autograd.Function):
 
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T,k] in the logits' dtype, as transformers casts them; expert ids [T,k] int64)."""
-    weights, experts = _Route.apply(logits, top_k, norm_topk_prob)
-    return weights.to(logits.dtype), experts
+    return _Route.apply(logits, top_k, norm_topk_prob)
 
 
 def expert_counts(sorted_ids: torch.Tensor, num_experts: int) -> torch.Tensor:

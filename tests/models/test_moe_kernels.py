@@ -81,9 +81,9 @@ def _router_problem(t, e, k, dtype, device, seed=0):
     g = torch.Generator().manual_seed(seed)
     # Integer-valued logits in a narrow range: many exact ties, which the top-k breaks to the lower expert.
     logits = torch.randint(-3, 4, (t, e), generator=g).float().add(torch.rand(t, e, generator=g).round())
-    grad = torch.randn(t, k, generator=g)
+    grad = torch.randn(t, k, generator=g)  # the weights' gradient, in their (the logits') dtype
     grad[0, 0] = -0.0  # a signed zero must reach the scatter as is
-    return logits.to(dtype).to(device), grad.to(device)
+    return logits.to(dtype).to(device), grad.to(dtype).to(device)
 
 
 def _compare_router(t, e, k, norm, dtype, device):
@@ -92,8 +92,8 @@ def _compare_router(t, e, k, norm, dtype, device):
     want = moe.route_torch(logits, k, norm)
     got = kernels.route(logits, k, norm)
     # Bits, not values: torch.equal would let -0.0 pass for +0.0.
-    bits = (lambda x: x.contiguous().view(torch.int32) if x.is_floating_point() else x)  # noqa: E731
-    bad = [n for n, a, b in zip(names, got, want, strict=True) if a.shape != b.shape or not torch.equal(bits(a), bits(b))]
+    bits = (lambda x: x.contiguous().view(torch.int8) if x.is_floating_point() else x)  # noqa: E731
+    bad = [n for n, a, b in zip(names, got, want, strict=True) if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(bits(a), bits(b))]
     ref = moe.route_backward_torch(grad, want[2], want[1], want[3], norm, dtype)
     dl = kernels.route_backward(grad, got[2], got[1], got[3], norm, dtype)
     if dl.dtype != ref.dtype or not torch.equal(dl.view(torch.int8), ref.view(torch.int8)):

@@ -114,7 +114,7 @@ def _route_kernel(logits_ptr, probs_ptr, weights_ptr, experts_ptr, picked_ptr, E
     out = t * TOP_K + slots
     used = slots < TOP_K
     tl.store(picked_ptr + out, picked, mask=used)
-    tl.store(weights_ptr + out, weights, mask=used)
+    tl.store(weights_ptr + out, cast_rne(weights, weights_ptr.dtype.element_ty), mask=used)
     tl.store(experts_ptr + out, chosen, mask=used)
 
 
@@ -203,13 +203,13 @@ def _router_lanes(experts: int) -> int:
 
 
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
-    """(fp32 weights [T,k], int64 experts [T,k], fp32 probs [T,E], fp32 picked [T,k]) from logits [T,E]:
-    rl_engine.models.moe's routing in one kernel."""
+    """(weights [T,k] in the logits' dtype, int64 experts [T,k], fp32 probs [T,E], fp32 picked [T,k]) from
+    logits [T,E]: rl_engine.models.moe's routing (route_torch) in one kernel."""
     logits = logits.contiguous()
     t, e = logits.shape
     f32 = dict(dtype=torch.float32, device=logits.device)
     probs = torch.empty(t, e, **f32)
-    weights, picked = torch.empty(t, top_k, **f32), torch.empty(t, top_k, **f32)
+    weights, picked = torch.empty(t, top_k, dtype=logits.dtype, device=logits.device), torch.empty(t, top_k, **f32)
     experts = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
     if t:
         lanes, slots = _router_lanes(e), triton.next_power_of_2(top_k)
@@ -221,7 +221,7 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
 
 def route_backward(grad_weights: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor, picked: torch.Tensor,
                    norm_topk_prob: bool, dtype: torch.dtype) -> torch.Tensor:
-    """The logits' gradient [T,E] in `dtype` from the fp32 weights' gradient [T,k] (route's outputs saved)."""
+    """The logits' gradient [T,E] in `dtype` from the weights' gradient [T,k] (route's outputs saved)."""
     t, e = probs.shape
     k = experts.shape[1]
     dlogits = torch.empty(t, e, dtype=dtype, device=probs.device)

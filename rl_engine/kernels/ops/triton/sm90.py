@@ -243,7 +243,7 @@ def compile_moe(kind: str):
                  "BLOCK_K": 8, "LOG_K": 3}
     names = fn.arg_names
     constants = {k: v for k, v in constants.items() if k in names}
-    fp32 = {"grad_w_ptr", "probs_ptr", "weights_ptr", "picked_ptr", "grad_ptr" if kind == "route_backward" else ""}
+    fp32 = {"grad_w_ptr", "probs_ptr", "picked_ptr"}
     signature = {n: "constexpr" if n in constants else
                  "*i64" if n in ("slot_ptr", "experts_ptr") else "*fp32" if n in fp32 else
                  "*bf16" if n.endswith("_ptr") else "i32" for n in names}
