@@ -195,6 +195,30 @@ def test_gradient_gemms_through_tma_give_the_bits_of_pointer_loads(monkeypatch):
     assert not all(torch.equal(with_tma[name], planted[name]) for name in with_tma)
 
 
+def test_backward_chunk_width_changes_no_bit(monkeypatch):
+    # A short batch takes wider vocabulary chunks (fewer launches); every gradient must keep its bits:
+    # the fp32 hidden-gradient accumulator continues its K loop across chunks. Planted: a width that
+    # is not a multiple of the K step regroups the reduction, and the comparison sees it.
+    from rl_engine.kernels.ops.triton.loss import linear_logp as ll
+
+    inputs = _inputs(3, 7, 100, 32, torch.float32, bias=True, seed=6)  # fp32: no final rounding hides a change
+    grad_out = _grad_out(3, 7)
+    cfg = ll.config(torch.bfloat16)
+    assert ll.backward_chunk(cfg, 1) == 16 * ll.backward_chunk(cfg, cfg["CHUNK_ROWS"])
+
+    def grads(width):
+        monkeypatch.setattr(ll, "backward_chunk", lambda cfg, rows: width)
+        return _run(TritonLinearLogpOp(), inputs, grad_out)[1]
+
+    base = grads(cfg["VOCAB_CHUNK"])
+    for width in (2 * cfg["VOCAB_CHUNK"], 16 * cfg["VOCAB_CHUNK"]):
+        got = grads(width)
+        for name in base:
+            assert torch.equal(got[name], base[name]), (width, name)
+    planted = grads(cfg["VOCAB_CHUNK"] - cfg["DH"]["BLOCK_K"] // 2)
+    assert not torch.equal(planted["hidden"], base["hidden"])
+
+
 def test_frozen_weight_gives_only_the_hidden_gradient():
     inputs = _inputs(2, 3, 37, 16, torch.float32)
     hidden = inputs["hidden"].clone().requires_grad_()

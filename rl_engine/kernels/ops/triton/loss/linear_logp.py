@@ -10,9 +10,10 @@ Forward (two kernels):
      epilogue overlaps the next tile's loads: 8.74 -> 7.73 ms at N = 4096 on the H200 (1.05x a cuBLAS
      GEMM of the same shape). The epilogue's exps are single ex2.approx.ftz ops (logp.exp2_ftz).
   2. `_combine_kernel`: one program per token folds its partials in vocabulary order -> lse, logp.
-Backward, for each vocabulary chunk of VOCAB_CHUNK columns (a fixed size, fixed order):
+Backward, for each vocabulary chunk (`backward_chunk`: VOCAB_CHUNK columns from CHUNK_ROWS tokens up,
+proportionally wider below; no bit depends on the width), in vocabulary order:
   1. `_dlogits_kernel` (persistent, as the forward) recomputes the logits tile exactly as the forward did and writes
-     dlogits = g * (onehot - exp(z - lse)) for the chunk ([N, VOCAB_CHUNK], compute dtype);
+     dlogits = g * (onehot - exp(z - lse)) for the chunk ([N, chunk], compute dtype);
   2. `_matmul_kernel`: grad_hidden (fp32 accumulator) += dlogits @ W[chunk];
   3. `_matmul_kernel`: grad_W[chunk] = dlogits^T @ hidden, a program owning a [BLOCK_M, BLOCK_N]
      tile of grad_W and looping over all tokens in order; grad_bias[chunk] = column sums, same loop.
@@ -63,13 +64,13 @@ _GPU_CONFIGS = {
     # `_matmul_kernel` persistent with pointer loads made them 4-35x slower
     # (docs/evidence/h200_probe_persistent_pointer_gemms_7b637bf.log): not that way.
     "16bit": dict(BLOCK_T=128, BLOCK_V=256, BLOCK_H=64, GROUP=16, num_warps=8, num_stages=4, VOCAB_CHUNK=4096,
-                  DH=_gemm(128, 256, 64, 8, 3), DW=_gemm(128, 256, 64, 8, 4)),
+                  CHUNK_ROWS=4096, DH=_gemm(128, 256, 64, 8, 3), DW=_gemm(128, 256, 64, 8, 4)),
     "fp32": dict(BLOCK_T=64, BLOCK_V=64, BLOCK_H=32, GROUP=16, num_warps=4, num_stages=2, VOCAB_CHUNK=4096,
-                 DH=_gemm(64, 64, 32, 4, 2), DW=_gemm(64, 64, 32, 4, 2)),
+                 CHUNK_ROWS=4096, DH=_gemm(64, 64, 32, 4, 2), DW=_gemm(64, 64, 32, 4, 2)),
 }
 # Small tiles under the CPU interpreter, so tests at V ~ 100, H ~ 32 cross tile and chunk borders.
 _INTERPRETER_CONFIG = dict(BLOCK_T=16, BLOCK_V=16, BLOCK_H=16, GROUP=2, num_warps=1, num_stages=1, VOCAB_CHUNK=32,
-                           DH=_gemm(16, 16, 16, 1, 1, group=2),
+                           CHUNK_ROWS=16, DH=_gemm(16, 16, 16, 1, 1, group=2),
                            DW=_gemm(16, 16, 16, 1, 1, group=2))
 
 
@@ -80,6 +81,17 @@ def config(dtype: torch.dtype) -> dict:
     if interpreting():
         return dict(_INTERPRETER_CONFIG)
     return dict(_GPU_CONFIGS["fp32" if dtype == torch.float32 else "16bit"])
+
+
+def backward_chunk(cfg: dict, rows: int) -> int:
+    """Vocabulary columns per backward chunk for `rows` tokens: VOCAB_CHUNK from CHUNK_ROWS rows up, a
+    whole multiple of it below, so the [rows, chunk] dlogits buffer is never larger than at CHUNK_ROWS
+    rows while a short batch launches fewer kernels (three per chunk; at N = 1024 the H200 backward
+    waited on the host: docs/evidence/h200_probe_linear_logp_tma_host_76aadd9.log). No bit depends on
+    the width: chunks start on BLOCK_V and BLOCK_K borders, the hidden gradient's fp32 accumulator
+    continues its K loop exactly from one chunk into the next, and every other value belongs to one
+    vocabulary row or one tile (test_linear_logp checks widths 1x and 16x)."""
+    return cfg["VOCAB_CHUNK"] * max(1, cfg["CHUNK_ROWS"] // max(rows, 1))
 
 
 @triton.jit
@@ -392,7 +404,7 @@ def hidden_grad(hidden, weight, targets, lse, grad_out, cfg, *, init=None):
 def _backward(hidden, weight, bias, targets, lse, grad_out, cfg, need_hidden, need_weight, need_bias, init=None):
     n, h = hidden.shape
     v = weight.shape[0]
-    chunk = cfg["VOCAB_CHUNK"]
+    chunk = backward_chunk(cfg, n)
     dlogits = torch.empty(n, min(chunk, v), dtype=hidden.dtype, device=hidden.device)
     # fp32 accumulator across vocabulary chunks (it is the output itself for fp32 hidden).
     if init is not None:

@@ -2,7 +2,8 @@
 
 The formulas (verl's PPO/GRPO/DAPO clip, GSPO, k3 KL, entropy, aggregation) are in the gold's
 docstring, rl_engine/kernels/ops/pytorch/loss/linear_policy_loss.py. Passes, each over fixed
-TOKEN_CHUNK x VOCAB_CHUNK pieces (constants per dtype, never functions of N):
+TOKEN_CHUNK x chunk pieces (TOKEN_CHUNK a constant per dtype; the vocabulary chunk is linear_logp's
+`backward_chunk` of the token chunk's rows, which changes no bit):
   1. statistics: `_stats_partials_kernel` computes logits tiles with the linear_logp tile GEMM
      (`_logits_tile`: TMA loads, linear_logp's tiles, persistent programs; logits / temperature)
      and per tile the max, sum of exp and, for the entropy,
@@ -14,7 +15,7 @@ TOKEN_CHUNK x VOCAB_CHUNK pieces (constants per dtype, never functions of N):
      a_t = dL/dlogp_t and b_t = dL/dH_t (both times the token's aggregation weight);
   4. gradients, `_policy_dlogits_kernel` recomputes each logits tile exactly as pass 1 did and writes
         dz = a_t (onehot - p) - b_t p (z - E[z]),   d logits = dz / temperature
-     for a [TOKEN_CHUNK, VOCAB_CHUNK] piece; then dhidden[chunk] += dlogits @ W[vocab chunk] and
+     for a [TOKEN_CHUNK, chunk] piece; then dhidden[chunk] += dlogits @ W[vocab chunk] and
      dW[vocab chunk] += dlogits^T @ hidden[chunk] (linear_logp's `_matmul_kernel`: one program per
      output tile, fixed K order, token chunks summed in order into an fp32 buffer, no atomics).
 
@@ -32,8 +33,8 @@ its forward returns the gradients it computed, and autograd's backward multiplie
 upstream scalar (exact for loss.backward()). The harness's per-token view (`_TokenLossFunction`)
 takes any upstream and recomputes through the same kernels in backward.
 
-Memory beyond inputs and gradients: partials [TOKEN_CHUNK, V / BLOCK_V] x 3, one dlogits piece
-[TOKEN_CHUNK, VOCAB_CHUNK], an fp32 dhidden [N, H] and, past one token chunk, an fp32 dW piece
+Memory beyond inputs and gradients: partials [TOKEN_CHUNK, V / BLOCK_V] x 3, one dlogits piece of at
+most TOKEN_CHUNK x VOCAB_CHUNK elements, an fp32 dhidden [N, H] and, past one token chunk, an fp32 dW piece
 [VOCAB_CHUNK, H]. The fp32 dhidden alone is 2H/V of the bf16 logits' size (5.4% at Qwen3's H = 4096,
 V = 151936). Autograd's backward scales the forward's gradients in place (`scale_gradient_`, no pass
 at all for loss.backward()) and asks for no zero-filled upstreams of the other outputs: until
@@ -64,6 +65,7 @@ from rl_engine.kernels.ops.pytorch.loss.linear_policy_loss import (
 )
 from rl_engine.kernels.ops.triton.loss.linear_logp import (
     _grouped_tile,
+    backward_chunk,
     _logits_tile,
     _matmul,
     _tile_options,
@@ -296,7 +298,8 @@ def _gradients(rows, w, targets, lse, mean_z, a, b, inv_temp, cfg, need_hidden, 
     """fp32 dhidden [N,H] and dW [V,H] (weight dtype) for per-token coefficients a = dL/dlogp, b = dL/dH."""
     n, h = rows.shape
     v = w.shape[0]
-    tc, vc = cfg["TOKEN_CHUNK"], cfg["VOCAB_CHUNK"]
+    tc = cfg["TOKEN_CHUNK"]
+    vc = backward_chunk(cfg, min(tc, n))  # wider only for a batch shorter than one token chunk
     bonus = b is not None
     dlogits = torch.empty(min(tc, n), min(vc, v), dtype=rows.dtype, device=rows.device)
     grad_hidden = torch.zeros(n, h, dtype=torch.float32, device=rows.device) if need_hidden else None
