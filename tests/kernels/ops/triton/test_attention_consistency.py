@@ -177,6 +177,27 @@ def test_another_key_block_size_is_caught(monkeypatch):
     assert not torch.equal(triton_attention(q[None], k[None], v[None]), baseline)
 
 
+def test_decode_gives_the_same_bits_with_any_number_of_heads_per_tile(monkeypatch):
+    # Batch 1 packs one query head per tile (more programs), larger batches the whole GQA group: a
+    # parallelism choice that must change no bit. Planted: a different KV split is still caught here.
+    from rl_engine.kernels.ops.triton.attention import kv_cache_attention as kv
+
+    assert kv._heads_per_tile(4, 64, 1, programs_per_head=8 * 4, sms=132) == 1  # batch 1, 8 KV heads, 4 splits
+    assert kv._heads_per_tile(4, 64, 1, programs_per_head=8 * 4 * 64, sms=132) == 4  # batch 64
+    seqs = _sequences([45, 30], 8, 2, 16, torch.bfloat16, seed=8)
+    k_cache, v_cache = _cache(seqs)
+    q = torch.stack([s[0][-1] for s in seqs])[:, None]
+    lengths = torch.tensor([45, 30], device=DEVICE)
+    outs = {}
+    for heads in (1, 2, 4):
+        monkeypatch.setattr(kv, "_heads_per_tile", lambda *args, h=heads: h)
+        outs[heads] = triton_kv_cache_attention(q, k_cache, v_cache, lengths)
+    assert torch.equal(outs[1], outs[4]) and torch.equal(outs[2], outs[4])
+    config = flash.attention_config(torch.bfloat16, 16)
+    monkeypatch.setattr(flash, "attention_config", lambda dtype, d: dataclasses.replace(config, kv_split=16))
+    assert not torch.equal(triton_kv_cache_attention(q, k_cache, v_cache, lengths), outs[4])
+
+
 def test_another_kv_split_is_caught(monkeypatch):
     # Planted bug: decode folding its keys in 16-key splits while the prefill used 32-key ones.
     (q, k, v), = _sequences([45], 4, 1, 16, torch.bfloat16, seed=6)
