@@ -184,6 +184,7 @@ def test_decode_gives_the_same_bits_with_any_number_of_heads_per_tile(monkeypatc
 
     assert kv._heads_per_tile(4, 64, 1, programs_per_head=8 * 4, sms=132) == 1  # batch 1, 8 KV heads, 4 splits
     assert kv._heads_per_tile(4, 64, 1, programs_per_head=8 * 4 * 64, sms=132) == 4  # batch 64
+    assert kv._heads_per_tile(4, 16, 20, programs_per_head=8, sms=132) == 1  # a chunk longer than a tile
     seqs = _sequences([45, 30], 8, 2, 16, torch.bfloat16, seed=8)
     k_cache, v_cache = _cache(seqs)
     q = torch.stack([s[0][-1] for s in seqs])[:, None]

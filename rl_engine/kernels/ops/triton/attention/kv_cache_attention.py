@@ -80,7 +80,7 @@ def _heads_per_tile(group: int, block_m: int, sq: int, programs_per_head: int, s
     decode step at 8k cached is 8 KV heads x 4 splits = 32 programs on 132 SMs). Then the most heads
     that still give every SM a program, or one. A parallelism choice only: a tile's rows do not depend
     on each other, so the bits are the same for every choice (test_attention_consistency)."""
-    fits = [h for h in range(1, group + 1) if group % h == 0 and block_m % h == 0 and block_m // h >= sq]
+    fits = [h for h in range(1, group + 1) if group % h == 0 and block_m % h == 0 and block_m // h >= sq] or [1]
     busy = [h for h in fits if programs_per_head * (group // h) >= sms]
     return max(busy) if busy else min(fits)
 
