@@ -204,7 +204,7 @@ def _key_blocks(q_pos0, first_q, rows, q_count, kv_len, window, CAUSAL: tl.const
 
 @triton.jit
 def _whole_kv_block(K, V, KD, VD, k_row0, start_n, stride_kr, k_col, kd_col, d_ok, EVEN_D: tl.constexpr,
-                    BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+                    BLOCK_N: tl.constexpr, TMA: tl.constexpr, DOT_FP32: tl.constexpr):
     """K and V rows [start_n, start_n + BLOCK_N) of a block inside kv_len: no row mask. TMA: through the
     descriptors KD/VD (rows [Rk, Hkv·D]), which read exactly these rows, all of them the sequence's."""
     k_off = (k_row0 + start_n + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_kr
@@ -217,6 +217,8 @@ def _whole_kv_block(K, V, KD, VD, k_row0, start_n, stride_kr, k_col, kd_col, d_o
     else:
         k = tl.load(K + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
         v = tl.load(V + k_off[:, None] + k_col, mask=d_ok[None, :], other=0.0)
+    if DOT_FP32:
+        k = k.to(tl.float32)
     return k, v
 
 
@@ -262,6 +264,13 @@ def _online_softmax_block(q, k, v, m, l, acc, visible, qk_scale, kv_base: tl.con
         v = v.to(tl.float32)
     acc = tl.dot(p_v, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l, acc
+
+
+@triton.jit
+def _fresh_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(running max, sum, accumulator) of BLOCK_M rows before any key: a split's start, or the fold's."""
+    return (tl.full([BLOCK_M], M_INIT, dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
+            tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32))
 
 
 @triton.jit
@@ -328,12 +337,8 @@ def _flash_forward_kernel(
     k_col = kv_head * stride_kh + d[None, :]
     kd_col = kv_head * BLOCK_D
 
-    m_t = tl.full([BLOCK_M], M_INIT, dtype=tl.float32)
-    l_t = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc_t = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m = m_t
-    l = l_t
-    acc = acc_t
+    m_t, l_t, acc_t = _fresh_state(BLOCK_M, BLOCK_D)
+    m, l, acc = _fresh_state(BLOCK_M, BLOCK_D)
     if FLAT:  # one loop over the blocks; a split's state is folded when its last block is done
         blo = lo
         bhi = hi
@@ -344,17 +349,13 @@ def _flash_forward_kernel(
         if MASK_SPLIT:
             for start_n in range(blo, umid, BLOCK_N):
                 k, v = _whole_kv_block(K, V, KD, VD, k_row0, start_n, stride_kr, k_col, kd_col, d_ok, EVEN_D,
-                                       BLOCK_N, TMA)
-                if DOT_FP32:
-                    k = k.to(tl.float32)
+                                       BLOCK_N, TMA, DOT_FP32)
                 m, l, acc = _online_softmax_block(q, k, v, m, l, acc, None, qk_scale, kv_base,
                                                   False, DOT_FP32, DOT_PRECISION)
                 if not PARTIAL:
                     if (start_n + BLOCK_N) % KV_SPLIT == 0:  # a split ends: fold it, start the next fresh
                         m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m, l, acc)
-                        m = tl.full([BLOCK_M], M_INIT, dtype=tl.float32)
-                        l = tl.zeros([BLOCK_M], dtype=tl.float32)
-                        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+                        m, l, acc = _fresh_state(BLOCK_M, BLOCK_D)
         else:
             umid = blo
         for start_n in range(umid, bhi, BLOCK_N):
@@ -365,9 +366,7 @@ def _flash_forward_kernel(
             if not PARTIAL:
                 if (start_n + BLOCK_N) % KV_SPLIT == 0:
                     m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m, l, acc)
-                    m = tl.full([BLOCK_M], M_INIT, dtype=tl.float32)
-                    l = tl.zeros([BLOCK_M], dtype=tl.float32)
-                    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+                    m, l, acc = _fresh_state(BLOCK_M, BLOCK_D)
         if not PARTIAL:  # the last split (a fresh state when the last block ended one: a no-op fold)
             m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m, l, acc)
     else:  # one loop per split
@@ -379,15 +378,11 @@ def _flash_forward_kernel(
         for s0 in range(split_lo, split_hi, KV_SPLIT):
             s1 = tl.minimum(s0 + KV_SPLIT, hi)
             b0 = tl.maximum(s0, lo)
-            m = tl.full([BLOCK_M], M_INIT, dtype=tl.float32)
-            l = tl.zeros([BLOCK_M], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            m, l, acc = _fresh_state(BLOCK_M, BLOCK_D)
             if MASK_SPLIT:  # fp32 skips the mask split: its speed matters less than its compile time
                 for start_n in range(b0, tl.minimum(mid, s1), BLOCK_N):
                     k, v = _whole_kv_block(K, V, KD, VD, k_row0, start_n, stride_kr, k_col, kd_col, d_ok, EVEN_D,
-                                           BLOCK_N, TMA)
-                    if DOT_FP32:
-                        k = k.to(tl.float32)
+                                           BLOCK_N, TMA, DOT_FP32)
                     m, l, acc = _online_softmax_block(q, k, v, m, l, acc, None, qk_scale, kv_base,
                                                       False, DOT_FP32, DOT_PRECISION)
             for start_n in range(tl.maximum(mid, b0), s1, BLOCK_N):
@@ -432,9 +427,7 @@ def _split_combine_kernel(
     head = pair % hq
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
-    m_t = tl.full([BLOCK_R], M_INIT, dtype=tl.float32)
-    l_t = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc_t = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    m_t, l_t, acc_t = _fresh_state(BLOCK_R, BLOCK_D)
     for split in range(0, num_splits):
         p_off = split * stride_ps + r64 * stride_pr + head * stride_ph
         m = tl.load(PM + p_off, mask=ok, other=M_INIT)
@@ -597,7 +590,7 @@ def _flash_backward_dq_kernel(
     if MASK_SPLIT:
         for start_n in range(lo, mid, BLOCK_N):
             k, v = _whole_kv_block(K, V, KD, VD, k_row0, start_n, stride_kr, k_col, kv_head * BLOCK_D, d_ok,
-                                   EVEN_D, BLOCK_N, TMA)
+                                   EVEN_D, BLOCK_N, TMA, False)  # _dq_block upcasts k and v itself
             dq = _dq_block(q, do, k, v, lse, delta, dq, None, qk_scale, k_base, False, DOT_FP32, DOT_PRECISION)
     for start_n in range(mid, hi, BLOCK_N):
         k, v, visible = _masked_kv_block(K, V, k_row0, start_n, stride_kr, k_col, d_ok, q_pos, kv_len, window,
