@@ -1,10 +1,13 @@
-"""On the H200: each family at a real width (Qwen3-8B, Qwen2.5-7B, Llama-3.1-8B; 3 layers, bf16).
+"""On the H200: each family at a real width (Qwen3-8B, Qwen2.5-7B, Llama-3.1-8B; 3 layers, bf16;
+Qwen3-30B-A3B, 2 layers, read from a checkpoint transformers wrote).
 
 - agreement: the same synthetic weights in transformers' own model; our `triton_bf16` selected
   logprobs must stay within the harness's baseline-relative rule of transformers' fp32 (TF32 off),
   calibrated by transformers' own bf16 error;
 - the invariance harness (layout matrix, train/infer parity, provenance) is bitwise for each.
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -14,7 +17,7 @@ from rl_engine.kernels.ops.pytorch.base import tf32_off
 from rl_engine.models.decoder import DecoderModel
 from rl_engine.models.families import CONFIGS
 from rl_engine.models.profiles import ProfileOps, get_profile
-from rl_engine.models.weights import synthetic_weights
+from rl_engine.models.weights import load_hf_checkpoint, load_hf_config, synthetic_weights
 from rl_engine.workload.manifest import load_workload
 
 WIDTHS = ["qwen3-8b", "qwen2.5-7b", "llama-3.1-8b"]
@@ -45,6 +48,14 @@ def hf_model(config, weights, device):
     return hf.float().eval()
 
 
+def as_bf16(hf):
+    """transformers' model in bf16 as from_pretrained(dtype=bfloat16) gives it: parameters in bf16, the
+    rotary inv_freq buffer still fp32 (hf.to(bfloat16) would round it too, and with it every angle)."""
+    for p in hf.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    return hf
+
+
 def selected(hf, ids, targets, positions):
     with torch.no_grad(), tf32_off():
         logits = hf(input_ids=ids, position_ids=positions).logits.float()
@@ -62,7 +73,7 @@ def test_triton_bf16_within_transformers_bf16_error_at_real_width(name):
     positions = (torch.arange(64, device="cuda") * POSITION_STRIDE).expand(2, 64)
     hf = hf_model(config, weights, "cuda")
     reference = selected(hf, ids, targets, positions)
-    hf_error = float((selected(hf.to(torch.bfloat16), ids, targets, positions) - reference).abs().max())
+    hf_error = float((selected(as_bf16(hf), ids, targets, positions) - reference).abs().max())
     del hf
     model = DecoderModel(config, weights, ProfileOps(get_profile("triton_bf16")))
     with torch.no_grad():
@@ -83,3 +94,63 @@ def test_triton_bf16_layout_matrix_is_bitwise_at_real_width(name):
     assert not report["errors"], report["errors"]
     for check in ("forward_invariance", "parity", "provenance", "accuracy"):
         assert report[check]["passed"], (check, report[check])
+
+
+def moe_checkpoint(config, path, device):
+    """transformers' Qwen3MoeForCausalLM at `config`'s sizes (fp32, eval), projections N(0, 1/fan_in) and
+    norms perturbed, every value bf16-exact; saved to `path` in bf16, so the fp32 model and the
+    checkpoint hold the same numbers."""
+    import transformers
+
+    moe = config.moe
+    hf_config = transformers.Qwen3MoeConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
+        rope_theta=config.rope_theta, tie_word_embeddings=config.tie_word_embeddings,
+        num_experts=moe.num_experts, num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.expert_intermediate_size,
+        norm_topk_prob=moe.norm_topk_prob, decoder_sparse_step=moe.sparse_step, mlp_only_layers=list(moe.dense_layers),
+        max_position_embeddings=131072,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = transformers.Qwen3MoeForCausalLM(hf_config)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+            elif p.dim() >= 2 and "embed" not in name:  # router, experts (3D in transformers 5), projections
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+            p.copy_(p.to(torch.bfloat16).float())
+    # A bf16 copy of the weights, not hf.to(bfloat16): that would round the rotary inv_freq buffer too.
+    hf.save_pretrained(path, state_dict={n: t.to(torch.bfloat16) for n, t in hf.state_dict().items()},
+                       safe_serialization=True)
+    return hf.eval()
+
+
+def moe_agreement(name: str, layers: int, path, device: str) -> tuple[float, float]:
+    """(max |triton_bf16 - transformers fp32|, max |transformers bf16 - transformers fp32|) of selected
+    logprobs, our model read from the checkpoint transformers wrote."""
+    expected = CONFIGS[name].with_layers(layers)
+    hf = moe_checkpoint(expected, path, device)
+    config = load_hf_config(path)
+    assert dataclasses.replace(config, name=expected.name) == expected
+    weights = load_hf_checkpoint(path, config, device=device, dtype=torch.bfloat16)
+    gen = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(1, config.vocab_size, (2, 64), device=device, generator=gen)
+    targets = torch.randint(0, config.vocab_size, (2, 64), device=device, generator=gen)
+    positions = (torch.arange(64, device=device) * POSITION_STRIDE).expand(2, 64)
+    reference = selected(hf, ids, targets, positions)
+    hf_error = float((selected(as_bf16(hf), ids, targets, positions) - reference).abs().max())
+    del hf
+    model = DecoderModel(config, weights, ProfileOps(get_profile("triton_bf16")))
+    with torch.no_grad():
+        ours = model.selected_logprobs(model.forward(ids, positions), targets)
+    return float((ours - reference).abs().max()), hf_error
+
+
+@pytest.mark.gpu
+def test_qwen3_moe_within_transformers_bf16_error_at_30b_a3b_width(tmp_path):
+    error, hf_error = moe_agreement("qwen3-30b-a3b", 2, tmp_path, "cuda")
+    print(f"qwen3-30b-a3b[:2] max|triton_bf16 - hf_fp32| {error:.3g}, max|hf_bf16 - hf_fp32| {hf_error:.3g}")
+    assert error <= model_accuracy_tolerance(torch.bfloat16).max_abs_bound(hf_error), (error, hf_error)
