@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 import torch
+from hf_models import as_bf16, randomise
 
 from rl_engine.invariance.harness import model_accuracy_tolerance, run_harness
 from rl_engine.kernels.ops.pytorch.base import tf32_off
@@ -48,18 +49,25 @@ def hf_model(config, weights, device):
     return hf.float().eval()
 
 
-def as_bf16(hf):
-    """transformers' model in bf16 as from_pretrained(dtype=bfloat16) gives it: parameters in bf16, the
-    rotary inv_freq buffer still fp32 (hf.to(bfloat16) would round it too, and with it every angle)."""
-    for p in hf.parameters():
-        p.data = p.data.to(torch.bfloat16)
-    return hf
-
-
 def selected(hf, ids, targets, positions):
     with torch.no_grad(), tf32_off():
         logits = hf(input_ids=ids, position_ids=positions).logits.float()
     return torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+
+
+def agreement(hf, config, weights, device) -> tuple[float, float]:
+    """(max |triton_bf16 - transformers fp32|, max |transformers bf16 - transformers fp32|) of the selected
+    logprobs of 2 x 64 tokens at positions up to ~32k; `hf` is left in bf16."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(1, config.vocab_size, (2, 64), device=device, generator=gen)
+    targets = torch.randint(0, config.vocab_size, (2, 64), device=device, generator=gen)
+    positions = (torch.arange(64, device=device) * POSITION_STRIDE).expand(2, 64)
+    reference = selected(hf, ids, targets, positions)
+    hf_error = float((selected(as_bf16(hf), ids, targets, positions) - reference).abs().max())
+    model = DecoderModel(config, weights, ProfileOps(get_profile("triton_bf16")))
+    with torch.no_grad():
+        ours = model.selected_logprobs(model.forward(ids, positions), targets)
+    return float((ours - reference).abs().max()), hf_error
 
 
 @pytest.mark.gpu
@@ -67,18 +75,7 @@ def selected(hf, ids, targets, positions):
 def test_triton_bf16_within_transformers_bf16_error_at_real_width(name):
     config = CONFIGS[name].with_layers(LAYERS)
     weights = synthetic_weights(config, 1234, device="cuda")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(1, config.vocab_size, (2, 64), device="cuda", generator=gen)
-    targets = torch.randint(0, config.vocab_size, (2, 64), device="cuda", generator=gen)
-    positions = (torch.arange(64, device="cuda") * POSITION_STRIDE).expand(2, 64)
-    hf = hf_model(config, weights, "cuda")
-    reference = selected(hf, ids, targets, positions)
-    hf_error = float((selected(as_bf16(hf), ids, targets, positions) - reference).abs().max())
-    del hf
-    model = DecoderModel(config, weights, ProfileOps(get_profile("triton_bf16")))
-    with torch.no_grad():
-        ours = model.selected_logprobs(model.forward(ids, positions), targets)
-    error = float((ours - reference).abs().max())
+    error, hf_error = agreement(hf_model(config, weights, "cuda"), config, weights, "cuda")
     print(f"{name}[:{LAYERS}] max|triton_bf16 - hf_fp32| {error:.3g}, max|hf_bf16 - hf_fp32| {hf_error:.3g}")
     assert error <= model_accuracy_tolerance(torch.bfloat16).max_abs_bound(hf_error), (error, hf_error)
 
@@ -114,13 +111,9 @@ def moe_checkpoint(config, path, device):
     )
     torch.manual_seed(0)
     with torch.device(device):
-        hf = transformers.Qwen3MoeForCausalLM(hf_config)
+        hf = randomise(transformers.Qwen3MoeForCausalLM(hf_config))
     with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
-            elif p.dim() >= 2 and "embed" not in name:  # router, experts (3D in transformers 5), projections
-                p.normal_(0.0, p.shape[-1] ** -0.5)
+        for p in hf.parameters():
             p.copy_(p.to(torch.bfloat16).float())
     # A bf16 copy of the weights, not hf.to(bfloat16): that would round the rotary inv_freq buffer too.
     hf.save_pretrained(path, state_dict={n: t.to(torch.bfloat16) for n, t in hf.state_dict().items()},
@@ -128,29 +121,15 @@ def moe_checkpoint(config, path, device):
     return hf.eval()
 
 
-def moe_agreement(name: str, layers: int, path, device: str) -> tuple[float, float]:
-    """(max |triton_bf16 - transformers fp32|, max |transformers bf16 - transformers fp32|) of selected
-    logprobs, our model read from the checkpoint transformers wrote."""
-    expected = CONFIGS[name].with_layers(layers)
-    hf = moe_checkpoint(expected, path, device)
-    config = load_hf_config(path)
-    assert dataclasses.replace(config, name=expected.name) == expected
-    weights = load_hf_checkpoint(path, config, device=device, dtype=torch.bfloat16)
-    gen = torch.Generator(device=device).manual_seed(0)
-    ids = torch.randint(1, config.vocab_size, (2, 64), device=device, generator=gen)
-    targets = torch.randint(0, config.vocab_size, (2, 64), device=device, generator=gen)
-    positions = (torch.arange(64, device=device) * POSITION_STRIDE).expand(2, 64)
-    reference = selected(hf, ids, targets, positions)
-    hf_error = float((selected(as_bf16(hf), ids, targets, positions) - reference).abs().max())
-    del hf
-    model = DecoderModel(config, weights, ProfileOps(get_profile("triton_bf16")))
-    with torch.no_grad():
-        ours = model.selected_logprobs(model.forward(ids, positions), targets)
-    return float((ours - reference).abs().max()), hf_error
-
-
 @pytest.mark.gpu
 def test_qwen3_moe_within_transformers_bf16_error_at_30b_a3b_width(tmp_path):
-    error, hf_error = moe_agreement("qwen3-30b-a3b", 2, tmp_path, "cuda")
+    """Qwen3-30B-A3B width, 2 layers: transformers writes the checkpoint, our loader reads it (the config's
+    sizes included), and our selected logprobs stay within transformers' own bf16 error of its fp32."""
+    expected = CONFIGS["qwen3-30b-a3b"].with_layers(2)
+    hf = moe_checkpoint(expected, tmp_path, "cuda")
+    config = load_hf_config(tmp_path)
+    assert dataclasses.replace(config, name=expected.name) == expected
+    weights = load_hf_checkpoint(tmp_path, config, device="cuda", dtype=torch.bfloat16)
+    error, hf_error = agreement(hf, config, weights, "cuda")
     print(f"qwen3-30b-a3b[:2] max|triton_bf16 - hf_fp32| {error:.3g}, max|hf_bf16 - hf_fp32| {hf_error:.3g}")
     assert error <= model_accuracy_tolerance(torch.bfloat16).max_abs_bound(hf_error), (error, hf_error)

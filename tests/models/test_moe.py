@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from hf_models import randomise
 
 from rl_engine.models.config import ModelConfig, MoeConfig
 from rl_engine.models.decoder import DecoderModel
@@ -38,13 +39,7 @@ def _hf_checkpoint(tmp_path, key, layers=3):
 
     hf_config = transformers.Qwen3MoeConfig(**DIMS, num_hidden_layers=layers, **HF_MOE[key])
     torch.manual_seed(0)
-    hf = transformers.Qwen3MoeForCausalLM(hf_config).float().eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
-            elif p.dim() >= 2 and "embed" not in name:  # router, experts (3D in transformers 5), projections
-                p.normal_(0.0, p.shape[-1] ** -0.5)
+    hf = randomise(transformers.Qwen3MoeForCausalLM(hf_config).float().eval())
     hf.save_pretrained(tmp_path, safe_serialization=True)
     return hf
 

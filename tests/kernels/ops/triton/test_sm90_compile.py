@@ -95,32 +95,29 @@ def test_moe_kernels_compile_without_fma_contraction(report, kind):
         assert result["fma"] == 0, result
 
 
-def test_the_ftz_count_sees_libdevice_flushing_denormals():
-    # Planted: the router compiled with libdevice's flush-to-zero form (Triton's default).
+def _planted_moe_summary(attribute: str, value: str, kind: str) -> dict:
+    """sm90._summary of the MoE kernel `kind` compiled (in a fresh process) with moe.<attribute> = value."""
     code = (
         "import json, unittest.mock as m\n"
         "from rl_engine.kernels.ops.triton import moe, sm90\n"
-        "with m.patch.object(moe, '_ROUTER_OPTIONS', dict(moe._ROUTER_OPTIONS, enable_reflect_ftz=True)):\n"
-        "    print(json.dumps(sm90._summary(sm90.compile_moe('route'))))\n"
+        f"with m.patch.object(moe, {attribute!r}, {value}):\n"
+        f"    print(json.dumps(sm90._summary(sm90.compile_moe({kind!r}))))\n"
     )
     env = dict(os.environ, TRITON_INTERPRET="0")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["ftz_fma"] > 0
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_ftz_count_sees_libdevice_flushing_denormals():
+    # Planted: the router compiled with libdevice's flush-to-zero form (Triton's default).
+    planted = "dict(moe._ROUTER_OPTIONS, enable_reflect_ftz=True)"
+    assert _planted_moe_summary("_ROUTER_OPTIONS", planted, "route")["ftz_fma"] > 0
 
 
 def test_the_fma_count_sees_a_contraction():
     # Planted: the combine compiled with fp fusion on contracts its multiply-adds.
-    code = (
-        "import json, unittest.mock as m\n"
-        "from rl_engine.kernels.ops.triton import moe, sm90\n"
-        "with m.patch.object(moe, '_NO_FMA', {}):\n"
-        "    print(json.dumps(sm90._summary(sm90.compile_moe('combine'))))\n"
-    )
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["fma"] > 0
+    assert _planted_moe_summary("_NO_FMA", "{}", "combine")["fma"] > 0
 
 
 @pytest.mark.parametrize("variant", MATMUL_VARIANTS)
