@@ -49,10 +49,15 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def router_width(experts: int) -> int:
+    """The router's padded expert axis: a power of two, at least ROUTER_PAD (the Triton router's lanes too)."""
+    return max(ROUTER_PAD, _pow2_at_least(experts))
+
+
 def router_softmax(logits: torch.Tensor) -> torch.Tensor:
     """fp32 softmax over the last axis of [T,E] logits, with the fixed tree sum (float64 stays float64)."""
     t, e = logits.shape
-    width = max(ROUTER_PAD, _pow2_at_least(e))
+    width = router_width(e)
     padded = logits.new_full((t, width), float("-inf"), dtype=_acc(logits))
     padded[:, :e] = logits
     ex = torch.exp(padded - padded.max(dim=-1, keepdim=True).values)  # the max is exact in any order

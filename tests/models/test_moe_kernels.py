@@ -93,7 +93,8 @@ def _compare_router(t, e, k, norm, dtype, device):
     got = kernels.route(logits, k, norm)
     # Bits, not values: torch.equal would let -0.0 pass for +0.0.
     bits = (lambda x: x.contiguous().view(torch.int8) if x.is_floating_point() else x)  # noqa: E731
-    bad = [n for n, a, b in zip(names, got, want, strict=True) if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(bits(a), bits(b))]
+    bad = [n for n, a, b in zip(names, got, want, strict=True)
+           if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(bits(a), bits(b))]
     ref = moe.route_backward_torch(grad, want[2], want[1], want[3], norm, dtype)
     dl = kernels.route_backward(grad, got[2], got[1], got[3], norm, dtype)
     if dl.dtype != ref.dtype or not torch.equal(dl.view(torch.int8), ref.view(torch.int8)):

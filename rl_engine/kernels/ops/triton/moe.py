@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from triton.language.extra import libdevice
 
 from rl_engine.kernels.ops.triton.runtime import cast_rne, interpreting
@@ -195,11 +194,10 @@ def permute_backward(grad_rows: torch.Tensor, row_of_slot: torch.Tensor) -> torc
     return out
 
 
-# The router's expert axis is padded to a power of two, at least this (rl_engine.models.moe.ROUTER_PAD).
 def _router_lanes(experts: int) -> int:
-    from rl_engine.models.moe import ROUTER_PAD
+    from rl_engine.models.moe import router_width  # imported here: that module imports this one
 
-    return max(ROUTER_PAD, triton.next_power_of_2(max(experts, 1)))
+    return router_width(experts)
 
 
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool):

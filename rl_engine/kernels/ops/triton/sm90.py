@@ -262,7 +262,8 @@ def _summary(kernel, registers: bool = False) -> dict:
     # 16-byte async copies (a grouped GEMM whose operand lost its contiguity was 5x slower on the H200).
     summary = {"shared": kernel.metadata.shared, "cubin": len(kernel.asm.get("cubin", b"")),
                "wgmma": ptx.count("wgmma.mma_async"), "scalar_loads": len(re.findall(r"ld\.global\.[bu]16", ptx)),
-               "fma": len(re.findall(r"\bfma\.rn\.f32", ptx)), "ftz_fma": len(re.findall(r"\bfma\.r[nmzp]\.ftz\.f32", ptx))}
+               "fma": len(re.findall(r"\bfma\.rn\.f32", ptx)),
+               "ftz_fma": len(re.findall(r"\bfma\.r[nmzp]\.ftz\.f32", ptx))}
     if registers:
         summary.update(ptxas_registers(ptx))
     return summary

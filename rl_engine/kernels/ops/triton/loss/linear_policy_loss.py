@@ -65,10 +65,10 @@ from rl_engine.kernels.ops.pytorch.loss.linear_policy_loss import (
 )
 from rl_engine.kernels.ops.triton.loss.linear_logp import (
     _grouped_tile,
-    backward_chunk,
     _logits_tile,
     _matmul,
     _tile_options,
+    backward_chunk,
     num_programs,
     tma_descriptor,
 )
