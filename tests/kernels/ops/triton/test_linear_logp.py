@@ -301,3 +301,26 @@ def test_gpu_never_materializes_the_logits():
     # Expected ~0.1 GB: one bf16 dlogits chunk [N, 4096] + the fp32 hidden accumulator [N, H];
     # the goal is 2% of eager's 5.9 GB (0.118 GB). The logits alone would be 1.24 GB.
     assert extra - grads < min(bf16_logits / 10, 0.13e9), (extra, grads)
+
+
+def test_weight_gradient_on_the_persistent_gemm_keeps_the_bits_of_the_column_sum_kernel(monkeypatch):
+    # Without a bias, dW[chunk] = dlogits^T @ hidden runs on matmul.py's persistent TMA GEMM; with one,
+    # on `_matmul_kernel`, which also sums the columns for the bias gradient. Same tiles and K order:
+    # the same weight gradient bits (a zero bias leaves the logits as they are). Planted: the persistent
+    # GEMM reading the tokens one row off (a wrong descriptor base) is seen.
+    from rl_engine.kernels.ops.triton.loss import linear_logp as ll
+
+    inputs = _inputs(3, 7, 100, 32, torch.bfloat16, bias=True, seed=8)
+    inputs["bias"] = torch.zeros_like(inputs["bias"])
+    grad_out = _grad_out(3, 7)
+    with_bias = _run(TritonLinearLogpOp(), inputs, grad_out)[1]["lm_head_weight"]
+    inputs.pop("bias")
+    calls = []
+    persistent = ll.batch_invariant_mm
+    monkeypatch.setattr(ll, "batch_invariant_mm", lambda *a, **k: calls.append(1) or persistent(*a, **k))
+    without = _run(TritonLinearLogpOp(), inputs, grad_out)[1]["lm_head_weight"]
+    assert calls, "the weight gradient did not run on the persistent GEMM"
+    assert torch.equal(without, with_bias)
+    monkeypatch.setattr(ll, "batch_invariant_mm", lambda a, b, **k: persistent(a, b.roll(1, 0), **k))
+    planted = _run(TritonLinearLogpOp(), inputs, grad_out)[1]["lm_head_weight"]
+    assert not torch.equal(planted, with_bias)

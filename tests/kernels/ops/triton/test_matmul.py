@@ -292,6 +292,24 @@ def test_bad_inputs_name_the_input():
         batch_invariant_mm(a[0], torch.zeros(8, 4, dtype=torch.float16, device=DEVICE))
 
 
+@CONFIGS
+@DTYPES
+def test_out_rows_of_a_larger_matrix_get_the_bits_of_a_fresh_result(config, dtype):
+    # `out=`: the product written into rows of a larger matrix (a weight gradient's vocabulary chunk)
+    # gives the allocated result's bits and leaves the other rows alone; a layout it cannot take is one
+    # clear error. Planted: a column slice (row stride too wide) is refused, not written past its rows.
+    a, b = _randn(40, 24, dtype=dtype, seed=1), _randn(24, 32, dtype=dtype, seed=2)
+    big = torch.full((50, 32), 7.0, dtype=dtype, device=DEVICE)
+    got = batch_invariant_mm(a, b, config=config, out=big[5:45])
+    assert got.data_ptr() == big[5:45].data_ptr()
+    assert_bitwise(big[5:45], batch_invariant_mm(a, b, config=config), "out rows")
+    assert (big[:5] == 7).all() and (big[45:] == 7).all()
+    with pytest.raises(ValueError, match="out: expected"):
+        batch_invariant_mm(a, b, config=config, out=torch.zeros(40, 64, dtype=dtype, device=DEVICE)[:, :32])
+    with pytest.raises(ValueError, match="out: expected"):
+        batch_invariant_mm(a, b, config=config, out=torch.zeros(40, 32, dtype=torch.float64, device=DEVICE))
+
+
 def test_empty_reduction_gives_zeros():
     out = batch_invariant_mm(torch.zeros(3, 0, device=DEVICE), torch.zeros(0, 4, device=DEVICE))
     assert out.shape == (3, 4) and not out.any()

@@ -352,7 +352,8 @@ def _launch_tma(plan: _Plan, grid: int, descriptors: tuple, m: int, n: int, k: i
 
 
 def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig | None = None,
-                       init: torch.Tensor | None = None, out_fp32: bool = False) -> torch.Tensor:
+                       init: torch.Tensor | None = None, out_fp32: bool = False,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
     """c = a @ b in a's dtype, fp32 accumulation; row i of c depends only on a[i] and b.
 
     a: [M,K], b: [K,N], any strides (b is typically weight.t(): no copy is made).
@@ -360,19 +361,28 @@ def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig
     product's tiles (see `continue_mm`), since changing it changes bits.
     init (fp32 [M,N]): the accumulator's start instead of zero. out_fp32: return the unrounded fp32
     accumulator. Together they split one product's K loop over launches without changing a bit.
+    out: c is written there (a's dtype, [M,N] rows of stride N: e.g. a weight gradient's vocabulary rows).
     """
     _check_operands(a, b)
     (m, k), n = a.shape, b.shape[1]
     out_dtype = torch.float32 if out_fp32 else a.dtype
+    if out is not None and (out.dtype != out_dtype or out.shape != (m, n) or (m > 1 and out.stride() != (n, 1))
+                            or out.data_ptr() % 16):
+        raise ValueError(f"out: expected {out_dtype} {(m, n)}, row stride {n}, 16-byte aligned; got {out.dtype} "
+                         f"{tuple(out.shape)} strides {out.stride()}")
     if init is not None:
         if init.dtype != torch.float32 or init.shape != (m, n):
             raise ValueError(f"init: expected float32 {(m, n)}, got {init.dtype} {tuple(init.shape)}")
         init = init.contiguous()
     if m == 0 or n == 0 or k == 0:
-        return (init if init is not None else torch.zeros((m, n), dtype=torch.float32, device=a.device)).to(out_dtype)
+        c = (init if init is not None else torch.zeros((m, n), dtype=torch.float32, device=a.device)).to(out_dtype)
+        return c if out is None else out.copy_(c)
     plan = _plan(a.dtype, n, k, a.get_device(), config)
     cfg = plan.config
-    c = a.new_empty((m, n), dtype=torch.float32 if (plan.round_on_host or out_fp32) else a.dtype)
+    if out is not None and not plan.round_on_host:
+        c = out
+    else:
+        c = a.new_empty((m, n), dtype=torch.float32 if (plan.round_on_host or out_fp32) else a.dtype)
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)  # host ceil-div (triton.cdiv is a slow jit call here)
     grid = min(plan.num_programs, tiles)
 
@@ -398,7 +408,9 @@ def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
             *plan.constexprs, init is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-    return c.to(out_dtype) if plan.round_on_host else c
+    if plan.round_on_host:
+        return c.to(out_dtype) if out is None else out.copy_(c)
+    return c
 
 
 # Registered as a torch custom op so torch.compile traces models that use it without a graph break.

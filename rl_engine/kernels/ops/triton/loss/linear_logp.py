@@ -15,8 +15,9 @@ proportionally wider below; no bit depends on the width), in vocabulary order:
   1. `_dlogits_kernel` (persistent, as the forward) recomputes the logits tile exactly as the forward did and writes
      dlogits = g * (onehot - exp(z - lse)) for the chunk ([N, chunk], compute dtype);
   2. `_matmul_kernel`: grad_hidden (fp32 accumulator) += dlogits @ W[chunk];
-  3. `_matmul_kernel`: grad_W[chunk] = dlogits^T @ hidden, a program owning a [BLOCK_M, BLOCK_N]
-     tile of grad_W and looping over all tokens in order; grad_bias[chunk] = column sums, same loop.
+  3. grad_W[chunk] = dlogits^T @ hidden, a [BLOCK_M, BLOCK_N] tile of grad_W looping over all tokens
+     in order: matmul.py's persistent TMA GEMM, or `_matmul_kernel` when grad_bias[chunk] (column
+     sums, same loop) rides along.
 
 Batch invariance: a token's logp and hidden gradient depend only on its own row - a row of a
 `tl.dot` tile does not depend on the other rows, tile shapes and K order are fixed per dtype,
@@ -36,6 +37,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rl_engine.kernels.ops.pytorch.base import expect_rank, expect_shape
 from rl_engine.kernels.ops.pytorch.loss.linear_logp import NativeLinearLogpOp
+from rl_engine.kernels.ops.triton.linear.matmul import MatmulConfig, batch_invariant_mm
 from rl_engine.kernels.ops.triton.loss.logp import LOG2E, exp2_ftz, fold_lse, max_nan
 from rl_engine.kernels.ops.triton.runtime import (
     cast_rne,
@@ -62,9 +64,12 @@ _GPU_CONFIGS = {
     # 2026-12-01: the persistent TMA logits kernels: the recompute runs at 0.185 ms per chunk, cuBLAS's
     # speed for that GEMM; DH / DW (0.22 / 0.19 ms, cuBLAS 0.175 / 0.179) are what is left. Making
     # `_matmul_kernel` persistent with pointer loads made them 4-35x slower
-    # (docs/evidence/h200_probe_persistent_pointer_gemms_7b637bf.log): not that way.
+    # (docs/evidence/h200_probe_persistent_pointer_gemms_7b637bf.log): not that way. DW runs on matmul.py's
+    # persistent TMA GEMM instead (3 stages: its TMA-store epilogue does not fit beside 4), 7-13% faster
+    # with the same bits (docs/evidence/h200_probe_linear_logp_gemms_92a36cc.log); DH's fp32 accumulator
+    # read and write is what remains (0.468 vs 0.403 ms a chunk at N = 8192).
     "16bit": dict(BLOCK_T=128, BLOCK_V=256, BLOCK_H=64, GROUP=16, num_warps=8, num_stages=4, VOCAB_CHUNK=4096,
-                  CHUNK_ROWS=4096, DH=_gemm(128, 256, 64, 8, 3), DW=_gemm(128, 256, 64, 8, 4)),
+                  CHUNK_ROWS=4096, DH=_gemm(128, 256, 64, 8, 3), DW=_gemm(128, 256, 64, 8, 3)),
     "fp32": dict(BLOCK_T=64, BLOCK_V=64, BLOCK_H=32, GROUP=16, num_warps=4, num_stages=2, VOCAB_CHUNK=4096,
                  CHUNK_ROWS=4096, DH=_gemm(64, 64, 32, 4, 2), DW=_gemm(64, 64, 32, 4, 2)),
 }
@@ -300,6 +305,15 @@ def gemm_descriptors(a, b, gemm):
 
 def _matmul(a, b, c, *, accumulate=False, row_sum=None, gemm) -> None:
     """c (+)= a @ b with the tiles of `gemm` (a _gemm(...) dict)."""
+    plain = c.dtype == a.dtype != torch.float32 and not accumulate and row_sum is None
+    if plain and c.stride(-1) == 1 and (c.shape[0] == 1 or c.stride(0) == c.shape[1]) and c.data_ptr() % 16 == 0:
+        # A plain 16-bit product (the weight gradient): matmul.py's persistent TMA GEMM, whose epilogue
+        # overlaps the next tile's loads, with the same tiles and K order, so the same bits (H200,
+        # 2026-12-01: 0.204 vs 0.234 ms at K = 1024 tokens, 0.402 vs 0.435 at 8192, bitwise equal).
+        config = MatmulConfig(gemm["BLOCK_M"], gemm["BLOCK_N"], gemm["BLOCK_K"], gemm["GROUP"],
+                              gemm["num_warps"], gemm["num_stages"])
+        batch_invariant_mm(a, b, config=config, out=c)
+        return
     m, k = a.shape
     n = b.shape[1]
     grid = (triton.cdiv(m, gemm["BLOCK_M"]) * triton.cdiv(n, gemm["BLOCK_N"]),)
