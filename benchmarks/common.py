@@ -126,6 +126,22 @@ def gemm_ceiling(m: int = 8192, n: int = 8192, k: int = 8192, dtype=torch.bfloat
     return {"ms": ms, "shape": [m, n, k], "dtype": str(dtype), "tflop_per_s": 2 * m * n * k / (ms * 1e-3) / 1e12}
 
 
+def lm_head_gemm(tokens: int, vocab: int, hidden: int, dtype=torch.bfloat16) -> dict:
+    """The faster cuBLAS form of logits = hidden [N,H] @ W^T: F.linear's (W [V,H] row-major, read
+    transposed) or W^T stored [H,V]. The reference of "x a GEMM" ratios; the layout that ran is named
+    (H200, 2026-12-01: at N = 1024 the [H,V] form took 1.72-1.92 ms, F.linear's 1.58-1.64)."""
+    h = torch.randn(tokens, hidden, dtype=dtype, device="cuda")
+    w = torch.randn(vocab, hidden, dtype=dtype, device="cuda")
+    forms = {"hidden @ W.t() (F.linear)": lambda: h @ w.t()}
+    w_t = w.t().contiguous()
+    forms["hidden @ W^T stored [H,V]"] = lambda: h @ w_t
+    timed = {name: bench_ms(fn) for name, fn in forms.items()}
+    layout = min(timed, key=timed.get)
+    ms = timed[layout]
+    return {"ms": ms, "layout": layout, "ms_by_layout": timed, "shape": [tokens, vocab, hidden], "dtype": str(dtype),
+            "tflop_per_s": 2 * tokens * vocab * hidden / (ms * 1e-3) / 1e12}
+
+
 def measure(label: str, run: Callable[..., dict], *args, **kwargs) -> dict:
     """run(*args, **kwargs), printing progress; its dict, or {"error": ...} when it raised."""
     print(f"  {label} ...", flush=True)
