@@ -4,6 +4,8 @@
 # Stages: env gate pytest:FILE[,FILE] bench-<name> (benchmarks/<name>.py) bench-mhc-quick mhc tp
 # tp-multi invariance-<profile>.
 # Everything lands in $OUT/results.tgz (the device tool returns few, shallow files) plus a summary.
+# Give all of a device call's stages to one invocation: each invocation starts by clearing the last one's
+# results (a second invocation in one call lost the gate's files at 37f1ecc).
 set -u
 OUT=${OUT:-/tmp/h200_out}
 R=/tmp/h200_results
