@@ -21,7 +21,8 @@ config next to cuBLAS on the same shapes, then the whole backward under a few co
 invariance of the hidden gradient. Exploration only: the shipped configuration stays one fixed
 choice per dtype (ours._GPU_CONFIGS), set by hand from these tables.
 Floor for forward+backward without materializing the logits: 4 GEMMs (forward, recompute, dH,
-dW), i.e. 4.0x the cuBLAS GEMM at cuBLAS speed; the 3.5x goal assumes the 3 GEMMs of eager.
+dW), i.e. 4.0x the cuBLAS GEMM at cuBLAS speed; issue 17's goal, 4.3x, is those 4 GEMMs at 93% of
+cuBLAS's speed (the forward's goal: 1.10x).
 """
 
 from __future__ import annotations
@@ -337,9 +338,9 @@ def main() -> int:
     save_plot(args.out, "linear_logp", [
         {"title": f"linear+logp forward, H={HIDDEN} V={VOCAB} bf16", "xlabel": "tokens",
          "ylabel": "ms / cuBLAS GEMM ms",
-         "x": token_sweep, "series": series("fwd_x_gemm", names), "hline": (1.15, "goal 1.15x")},
+         "x": token_sweep, "series": series("fwd_x_gemm", names), "hline": (1.10, "goal 1.10x")},
         {"title": "forward + backward", "xlabel": "tokens", "ylabel": "ms / cuBLAS GEMM ms",
-         "x": token_sweep, "series": series("fwd_bwd_x_gemm", list(impls)), "hline": (3.5, "goal 3.5x")},
+         "x": token_sweep, "series": series("fwd_bwd_x_gemm", list(impls)), "hline": (4.3, "goal 4.3x")},
         {"title": "peak memory beyond inputs and grads, fwd + bwd", "xlabel": "tokens", "ylabel": "GB",
          "x": token_sweep, "series": series("fwd_bwd_work_gb", list(impls)), "logy": True},
     ])
