@@ -1,6 +1,6 @@
 """Which tile configuration should attention use? Times candidate tiles on the GPU, one kernel at a time.
 
-    python benchmarks/attention_tiles.py --out benchmarks/results [--head-dims 128,64]
+    python benchmarks/attention_tiles.py --out benchmarks/results [--head-dims 128,64,256]
 
 flash.py runs ONE tile configuration per (dtype, head_dim) for every layout (that is what keeps
 prefill, packed, chunked and decode bitwise equal), so the choice is made once, here, offline:
@@ -38,6 +38,15 @@ CANDIDATES = {  # (block_m, block_n, num_warps, num_stages); `python -m rl_engin
     "backward_dq": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 2)],
     "backward_dkdv": [(32, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 2),
                       (16, 64, 4, 3)],
+}
+# Head dims above 128: the 64-wide tiles above overflow shared memory. Screened on the CPU for sm_90a
+# (2026-12-01, spill bytes a thread): forward today (64,32,4,2) 2252, (64,32,8,2) 800, (64,64,8,2) 1084;
+# dQ today 664, (64,32,8,2) 156; dK/dV today (32,32,4,2) 104 with no wgmma (32-row products take mma.sync),
+# (64,32,8,2) 0, (32,64,8,2) 1052 with wgmma.
+WIDE_CANDIDATES = {
+    "forward": [(64, 32, 4, 2), (64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2)],
+    "backward_dq": [(64, 32, 4, 2), (64, 32, 8, 2), (128, 32, 8, 2), (64, 64, 8, 2)],
+    "backward_dkdv": [(32, 32, 4, 2), (64, 32, 8, 2), (32, 64, 8, 2), (32, 32, 4, 3)],
 }
 TMA_MODES = {"both": (True, False), "on": (True,), "off": (False,)}
 
@@ -153,7 +162,8 @@ def sweep(head_dim: int, tma_modes=(True, False), kv_split: bool = True) -> dict
     result = {"head_dim": head_dim, "today": dataclasses.asdict(base), "kernels": {}}
     fwd_flops = causal_flops(head_dim)
     bwd_flops = 2.5 * fwd_flops
-    for kind, candidates in CANDIDATES.items():
+    for kind in CANDIDATES:
+        candidates = (WIDE_CANDIDATES if head_dim > 128 else CANDIDATES)[kind]
         rows = []
         for bm, bn, warps, stages in candidates:
             outputs = []
