@@ -66,9 +66,10 @@ _GPU_CONFIGS = {
     # `_matmul_kernel` persistent with pointer loads made them 4-35x slower
     # (docs/evidence/h200_probe_persistent_pointer_gemms_7b637bf.log): not that way. DW runs on matmul.py's
     # persistent TMA GEMM instead (3 stages: its TMA-store epilogue does not fit beside 4), 7-13% faster
-    # with the same bits (docs/evidence/h200_probe_linear_logp_gemms_92a36cc.log), and in groups of 8
-    # row-tiles: 0.378 vs 0.428 ms a chunk at N = 8192 (..._dh_tiles_82169a4.log). DH's fp32 accumulator
-    # read and write is what remains (0.468 vs 0.403 ms a chunk at N = 8192); no other DH tile is faster.
+    # with the same bits (docs/evidence/h200_probe_linear_logp_gemms_92a36cc.log), in groups of 8 row-tiles
+    # (alone 0.378 vs 0.428 ms a chunk at N = 8192; in the whole step, ABBA, equal at 1024 and 8192 and 3.5%
+    # faster at 4096: ..._dh_tiles_82169a4.log, ..._dw_group_37f1ecc.log). DH's fp32 accumulator read and
+    # write is what remains (0.468 vs 0.403 ms a chunk at N = 8192); no other DH tile is faster.
     "16bit": dict(BLOCK_T=128, BLOCK_V=256, BLOCK_H=64, GROUP=16, num_warps=8, num_stages=4, VOCAB_CHUNK=4096,
                   CHUNK_ROWS=4096, DH=_gemm(128, 256, 64, 8, 3), DW=_gemm(128, 256, 64, 8, 3, group=8)),
     "fp32": dict(BLOCK_T=64, BLOCK_V=64, BLOCK_H=32, GROUP=16, num_warps=4, num_stages=2, VOCAB_CHUNK=4096,
