@@ -10,7 +10,7 @@ writes `DIR/<name>.json` plus `DIR/<name>.png`. Scripts import this module as `f
     copy = copy_ceiling()                    # {"ms", "gb_per_s"}: device-to-device copy, read+write
     gemm = gemm_ceiling()                    # {"ms", "tflop_per_s", "shape"}: bf16 torch.matmul 8192^3
     ms = bench_ms(fn)                        # median ms of fn() (triton.testing.do_bench)
-    x = paired_ratio(fn, reference)          # fn's ms / reference's, timed ABBA (order bias cancels)
+    ms, x = paired_ratio(fn, reference)      # fn's ms, and over reference's: timed ABBA (order bias cancels)
     gemm = lm_head_gemm(n, v, h)             # {"ms", "layout", ...}: the faster cuBLAS form of hidden @ W^T
     extra = peak_extra_bytes(fn)             # peak bytes allocated by fn() above what was live before
     row = measure("label", run, *args)      # row = run(*args); on error -> {"error": "..."}, printed
@@ -154,12 +154,12 @@ def lm_head_gemm(tokens: int, vocab: int, hidden: int, dtype=torch.bfloat16) -> 
 
 
 def paired_ratio(fn: Callable[[], object], reference: Callable[[], object], *, pairs: int = 2,
-                 warmup: int = 25, rep: int = 100) -> float:
-    """fn's time over reference's, the two timed back to back in alternating order (ABBA), `pairs` times
-    each way: the median of the per-pair ratios. On the H200 the second of two back-to-back timings of
-    one configuration ran ~3% slower (2026-12-01), so a reference timed once, before everything it
-    judges, biases every ratio against it by about as much as a goal's margin."""
-    ratios = []
+                 warmup: int = 25, rep: int = 100) -> tuple[float, float]:
+    """(fn's median ms, fn's time over reference's): the two timed back to back in alternating order
+    (ABBA), `pairs` times each way, the ratio the median of the per-pair ratios. On the H200 the second
+    of two back-to-back timings of one configuration ran ~3% slower (2026-12-01), so a reference timed
+    once, before everything it judges, biases every ratio against it by about as much as a goal's margin."""
+    times, ratios = [], []
     for i in range(2 * pairs):
         if i % 2 == 0:
             a = bench_ms(fn, warmup=warmup, rep=rep)
@@ -167,8 +167,9 @@ def paired_ratio(fn: Callable[[], object], reference: Callable[[], object], *, p
         else:
             b = bench_ms(reference, warmup=warmup, rep=rep)
             a = bench_ms(fn, warmup=warmup, rep=rep)
+        times.append(a)
         ratios.append(a / b)
-    return statistics.median(ratios)
+    return statistics.median(times), statistics.median(ratios)
 
 
 def measure(label: str, run: Callable[..., dict], *args, **kwargs) -> dict:

@@ -12,9 +12,10 @@ def test_alternating_order_cancels_a_second_runner_bias(load_benchmark, monkeypa
         return true_ms[calls[-1]] * (1.03 if len(calls) % 2 == 0 else 1.0)
 
     monkeypatch.setattr(common, "bench_ms", biased_bench_ms)
-    ratio = common.paired_ratio(lambda: "ours", lambda: "gemm", pairs=2)
+    ms, ratio = common.paired_ratio(lambda: "ours", lambda: "gemm", pairs=2)
     assert calls == ["ours", "gemm", "gemm", "ours", "ours", "gemm", "gemm", "ours"]
     assert abs(ratio / 4.3 - 1) < 1e-3
+    assert abs(ms / 4.3 - 1) < 0.02  # the median of its own timings, half of them taken second
     # Planted: one reference timed first, then the implementation (what the benchmarks did): 3% off.
     calls.clear()
     naive = biased_bench_ms(lambda: "gemm")

@@ -351,6 +351,12 @@ def _launch_tma(plan: _Plan, grid: int, descriptors: tuple, m: int, n: int, k: i
     kernel.run(grid, 1, 1, _current_stream()(device), kernel.function, kernel.packed_metadata, None, None, None, *args)
 
 
+def writable_rows(out: torch.Tensor) -> bool:
+    """Whether `out=` can take this 2-D tensor: rows of stride N (unit columns), 16-byte aligned (a TMA store)."""
+    m, n = out.shape
+    return (n <= 1 or out.stride(1) == 1) and (m <= 1 or out.stride(0) == n) and out.data_ptr() % 16 == 0
+
+
 def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig | None = None,
                        init: torch.Tensor | None = None, out_fp32: bool = False,
                        out: torch.Tensor | None = None) -> torch.Tensor:
@@ -366,8 +372,7 @@ def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig
     _check_operands(a, b)
     (m, k), n = a.shape, b.shape[1]
     out_dtype = torch.float32 if out_fp32 else a.dtype
-    if out is not None and (out.dtype != out_dtype or out.shape != (m, n) or (m > 1 and out.stride() != (n, 1))
-                            or out.data_ptr() % 16):
+    if out is not None and (out.dtype != out_dtype or out.shape != (m, n) or not writable_rows(out)):
         raise ValueError(f"out: expected {out_dtype} {(m, n)}, row stride {n}, 16-byte aligned; got {out.dtype} "
                          f"{tuple(out.shape)} strides {out.stride()}")
     if init is not None:
