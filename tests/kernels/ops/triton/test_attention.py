@@ -225,3 +225,48 @@ def test_gpu_every_head_size_and_dtype(dtype, head_dim):
         assert torch.isfinite(a).all(), f"{name}: non-finite values"
         err, base_err = (a.float() - r).abs().max().item(), (bl.float() - r).abs().max().item()
         assert err <= 3 * base_err + 1e-3, f"{name}: error {err} vs {dtype} baseline {base_err}"
+
+
+@pytest.mark.gpu
+def test_gpu_backward_on_two_streams_keeps_the_bits_and_joins(monkeypatch):
+    # The dQ kernel runs on a side stream beside the dK/dV kernel, and the caller's stream waits for it.
+    # The gradients must be the serial launch's bits (the side stream replaced by the caller's own), also
+    # when the side stream is busy for ~50 ms first (a missing join would hand back dq before it is
+    # written), and when the whole step is captured in a CUDA graph and replayed.
+    from rl_engine.kernels.ops.triton.attention import flash
+
+    q, k, v = _qkv(2, 1000, 32, 8, 128, torch.bfloat16, seed=9)
+    grad_out = torch.randn(q.shape, device=DEVICE, dtype=torch.bfloat16)
+    used = []
+    side = flash._side_stream
+    monkeypatch.setattr(flash, "_side_stream", lambda i: used.append(i) or side(i))
+    concurrent = _grads(TritonAttentionOp(), (q, k, v), grad_out)
+    assert used, "the backward did not use the side stream"
+
+    def busy_side(i):
+        stream = side(i)
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(100_000_000)  # ~50 ms of cycles queued ahead of the dQ kernel
+        return stream
+
+    monkeypatch.setattr(flash, "_side_stream", busy_side)
+    late = _grads(TritonAttentionOp(), (q, k, v), grad_out)
+    monkeypatch.setattr(flash, "_side_stream", lambda i: torch.cuda.current_stream())
+    serial = _grads(TritonAttentionOp(), (q, k, v), grad_out)
+    for name, a, b, c in zip(("out", "dq", "dk", "dv"), concurrent, serial, late):
+        assert torch.equal(a, b) and torch.equal(c, b), name
+
+    monkeypatch.setattr(flash, "_side_stream", side)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):  # capture needs the kernels compiled and the allocator warm
+        torch.autograd.grad(TritonAttentionOp()(*leaves), leaves, grad_out)
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.autograd.grad(TritonAttentionOp()(*leaves), leaves, grad_out)
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, a, b in zip(("dq", "dk", "dv"), captured, serial[1:]):
+        assert torch.equal(a, b), f"{name} replayed from a CUDA graph"
