@@ -1,5 +1,6 @@
 """Launch facts every Triton kernel here needs: are we under the CPU interpreter? And the host side of
-TMA loads (`host_descriptor`, `ensure_cuda_context`), shared by the matmul, attention and loss kernels.
+TMA loads (`host_descriptor`, `ensure_cuda_context`) and of two kernels run side by side (`SideStream`),
+shared by the matmul, attention and loss kernels.
 
 Under `TRITON_INTERPRET=1`, `tl.dot` with bf16/fp16 operands returns garbage (Triton 3.6 and 3.9,
 DESIGN.md), while fp32 operands are right. Kernels that use `tl.dot` take a constexpr
@@ -18,6 +19,7 @@ run with numpy 2.4. Importing this module under the interpreter refuses that pai
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -130,3 +132,43 @@ else:
     def cast_rne(x, dtype: tl.constexpr):
         """fp32 x cast to dtype; the GPU's conversion already rounds to nearest even."""
         return x.to(dtype)
+
+
+@functools.cache
+def _side_stream(device_index: int):
+    import torch
+
+    return torch.cuda.Stream(device_index)
+
+
+class SideStream:
+    """Kernels launched inside `with side:` run on a side stream, concurrently with what the caller's
+    stream queues next, and `side.join()` makes the caller's stream wait for them. The side stream first
+    waits for all the caller's stream has queued: a fork and a join, which a CUDA graph capture records
+    too. For kernels that read the same inputs and write different outputs (attention's dQ beside dK/dV,
+    a weight gradient beside a hidden gradient): the same kernels, so the same bits, with each one's tail
+    filled by the other. Off the GPU (the interpreter, CPU tensors) everything runs in order."""
+
+    def __init__(self, device):
+        import torch
+
+        self._stream_context = torch.cuda.stream
+        gpu = device.type == "cuda" and not interpreting()
+        self.main = torch.cuda.current_stream(device) if gpu else None
+        index = device.index if device.index is not None else (torch.cuda.current_device() if gpu else 0)
+        self.side = _side_stream(index) if gpu else None
+        self._context = None
+
+    def __enter__(self):
+        if self.side is not None:
+            self.side.wait_stream(self.main)
+        self._context = self._stream_context(self.side)  # None: the current stream
+        self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._context.__exit__(*exc)
+
+    def join(self) -> None:
+        if self.side is not None:
+            self.main.wait_stream(self.side)

@@ -233,13 +233,13 @@ def test_gpu_backward_on_two_streams_keeps_the_bits_and_joins(monkeypatch):
     # The gradients must be the serial launch's bits (the side stream replaced by the caller's own), also
     # when the side stream is busy for ~50 ms first (a missing join would hand back dq before it is
     # written), and when the whole step is captured in a CUDA graph and replayed.
-    from rl_engine.kernels.ops.triton.attention import flash
+    from rl_engine.kernels.ops.triton import runtime
 
     q, k, v = _qkv(2, 1000, 32, 8, 128, torch.bfloat16, seed=9)
     grad_out = torch.randn(q.shape, device=DEVICE, dtype=torch.bfloat16)
     used = []
-    side = flash._side_stream
-    monkeypatch.setattr(flash, "_side_stream", lambda i: used.append(i) or side(i))
+    side = runtime._side_stream
+    monkeypatch.setattr(runtime, "_side_stream", lambda i: used.append(i) or side(i))
     concurrent = _grads(TritonAttentionOp(), (q, k, v), grad_out)
     assert used, "the backward did not use the side stream"
 
@@ -249,14 +249,14 @@ def test_gpu_backward_on_two_streams_keeps_the_bits_and_joins(monkeypatch):
             torch.cuda._sleep(100_000_000)  # ~50 ms of cycles queued ahead of the dQ kernel
         return stream
 
-    monkeypatch.setattr(flash, "_side_stream", busy_side)
+    monkeypatch.setattr(runtime, "_side_stream", busy_side)
     late = _grads(TritonAttentionOp(), (q, k, v), grad_out)
-    monkeypatch.setattr(flash, "_side_stream", lambda i: torch.cuda.current_stream())
+    monkeypatch.setattr(runtime, "_side_stream", lambda i: torch.cuda.current_stream())
     serial = _grads(TritonAttentionOp(), (q, k, v), grad_out)
     for name, a, b, c in zip(("out", "dq", "dk", "dv"), concurrent, serial, late):
         assert torch.equal(a, b) and torch.equal(c, b), name
 
-    monkeypatch.setattr(flash, "_side_stream", side)
+    monkeypatch.setattr(runtime, "_side_stream", side)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     warm = torch.cuda.Stream()
     warm.wait_stream(torch.cuda.current_stream())

@@ -59,7 +59,6 @@ loop and a second exact pass cost 33–60% of the H200 throughput (measured 2026
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -68,6 +67,7 @@ import triton
 import triton.language as tl
 
 from rl_engine.kernels.ops.triton.runtime import (
+    SideStream,
     cast_rne,
     dot_fp32,
     dot_precision,
@@ -729,12 +729,6 @@ def _flash_backward_dkdv_kernel(
 DELTA_BLOCK_R = 32
 
 
-@functools.cache
-def _side_stream(device_index: int) -> torch.cuda.Stream:
-    """The stream the backward's dQ kernel runs on, beside the dK/dV kernel on the caller's stream."""
-    return torch.cuda.Stream(device_index)
-
-
 def flash_backward(do, q, k, v, out, lse, table: SequenceTable, *, causal: bool, scale: float):
     """Gradients (dq, dk, dv) of `flash_forward` (heads_per_tile = 1) for rows of q, k, v.
 
@@ -758,18 +752,13 @@ def flash_backward(do, q, k, v, out, lse, table: SequenceTable, *, causal: bool,
     common = dict(CAUSAL=causal, BLOCK_D=padded_d, EVEN_D=padded_d == head_dim, MASK_SPLIT=q.dtype != torch.float32,
                   DOT_FP32=dot_fp32(q.dtype), DOT_PRECISION=dot_precision(q.dtype))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0))
-    # The dQ and dK/dV kernels only read q, k, v, dO, lse and delta: on a GPU the dQ kernel runs on a side
-    # stream, concurrently, and the caller's stream waits for it before returning (fork and join, which a
-    # CUDA graph capture records too). The same kernels, so the same bits; forward + backward 3-5.5%
-    # faster on the H200 (docs/evidence/h200_probe_attention_bwd_streams_36b08a0.log).
-    main = torch.cuda.current_stream(q.device) if q.is_cuda and not interpreting() else None
-    side = _side_stream(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
-        if main is not None else None
-    if side is not None:
-        side.wait_stream(main)
+    # The dQ and dK/dV kernels only read q, k, v, dO, lse and delta: the dQ kernel runs beside the other
+    # (SideStream), joined before returning; forward + backward 3-5.5% faster on the H200
+    # (docs/evidence/h200_probe_attention_bwd_streams_36b08a0.log).
+    side = SideStream(q.device)
     c = cfg.backward_dq
     descs = row_descriptors((k, v), c.block_n)
-    with torch.cuda.stream(side):  # None: the current stream
+    with side:
         _flash_backward_dq_kernel[(triton.cdiv(max(table.max_q_count, 1), c.block_m), hq, table.num_sequences)](
             q, k, v, *(descs or (k, v)), do, lse, delta, dq, table.info, *strides, scale * LOG2_E, scale, group,
             head_dim, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
@@ -782,8 +771,7 @@ def flash_backward(do, q, k, v, out, lse, table: SequenceTable, *, causal: bool,
         head_dim, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
         TMA=descs is not None, **common,
     )
-    if side is not None:
-        main.wait_stream(side)
+    side.join()
     return dq, dk, dv
 
 
