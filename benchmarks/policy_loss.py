@@ -148,6 +148,9 @@ def main() -> int:
         impls = implementations(liger=False)
     rows, gemm_at = [], {}
     for tokens in token_sweep:
+        # Liger's loss is torch.compile'd inside: recompiling it for a second size with dynamic shapes fails
+        # (torch 2.11, H200 2026-12-01: InternalTorchDynamoError in a shape guard), so each size starts afresh.
+        torch._dynamo.reset()
         shape_gemm = measure(f"cuBLAS GEMM tokens={tokens}", lm_head_gemm, tokens, VOCAB, HIDDEN)
         gemm_at[tokens] = shape_gemm
         gemm_ms = shape_gemm.get("ms", float("nan"))
