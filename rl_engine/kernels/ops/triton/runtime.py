@@ -145,9 +145,10 @@ class SideStream:
     """Kernels launched inside `with side:` run on a side stream, concurrently with what the caller's
     stream queues next, and `side.join()` makes the caller's stream wait for them. The side stream first
     waits for all the caller's stream has queued: a fork and a join, which a CUDA graph capture records
-    too. For kernels that read the same inputs and write different outputs (attention's dQ beside dK/dV,
-    a weight gradient beside a hidden gradient): the same kernels, so the same bits, with each one's tail
-    filled by the other. Off the GPU (the interpreter, CPU tensors) everything runs in order."""
+    too. For kernels that read the same inputs and write different outputs (attention's dQ beside dK/dV):
+    the same kernels, so the same bits, with each one's tail filled by the other. Not for linear_logp's
+    weight and hidden gradients: each fills the GPU, and side by side they ran no faster (H200, 2026-12-01,
+    docs/evidence/h200_probe_loss_side_stream_bbc63f2.log). Off the GPU everything runs in order."""
 
     def __init__(self, device):
         import torch

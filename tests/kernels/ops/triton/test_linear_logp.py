@@ -324,33 +324,3 @@ def test_weight_gradient_on_the_persistent_gemm_keeps_the_bits_of_the_column_sum
     monkeypatch.setattr(ll, "batch_invariant_mm", lambda a, b, **k: persistent(a, b.roll(1, 0), **k))
     planted = _run(TritonLinearLogpOp(), inputs, grad_out)[1]["lm_head_weight"]
     assert not torch.equal(planted, with_bias)
-
-
-@pytest.mark.gpu
-def test_gpu_weight_gradient_beside_the_hidden_gradient_keeps_the_bits(monkeypatch):
-    # Per vocabulary chunk the weight gradient runs on a side stream beside the hidden gradient, joined
-    # before the next chunk's logits overwrite the shared dlogits buffer. Its bits must be the serial
-    # launch's (the side stream replaced by the caller's own), also with the side stream busy for ~50 ms
-    # first: a missing join would let the next chunk overwrite dlogits while the weight gradient reads it.
-    from rl_engine.kernels.ops.triton import runtime
-
-    inputs = _inputs(1, 2048, 151936, 1024, torch.bfloat16, seed=11)  # 19 vocabulary chunks
-    grad_out = _grad_out(1, 2048)
-    side = runtime._side_stream
-    used = []
-    monkeypatch.setattr(runtime, "_side_stream", lambda i: used.append(i) or side(i))
-    beside = _run(TritonLinearLogpOp(), inputs, grad_out)[1]
-    assert used, "the weight gradient did not run on the side stream"
-
-    def busy_side(i):
-        stream = side(i)
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(100_000_000)
-        return stream
-
-    monkeypatch.setattr(runtime, "_side_stream", busy_side)
-    late = _run(TritonLinearLogpOp(), inputs, grad_out)[1]
-    monkeypatch.setattr(runtime, "_side_stream", lambda i: torch.cuda.current_stream())
-    serial = _run(TritonLinearLogpOp(), inputs, grad_out)[1]
-    for name in serial:
-        assert torch.equal(beside[name], serial[name]) and torch.equal(late[name], serial[name]), name

@@ -15,9 +15,9 @@ proportionally wider below; no bit depends on the width), in vocabulary order:
   1. `_dlogits_kernel` (persistent, as the forward) recomputes the logits tile exactly as the forward did and writes
      dlogits = g * (onehot - exp(z - lse)) for the chunk ([N, chunk], compute dtype);
   2. `_matmul_kernel`: grad_hidden (fp32 accumulator) += dlogits @ W[chunk];
-  3. beside it on a side stream (`SideStream`; both only read dlogits), grad_W[chunk] = dlogits^T @
-     hidden, a [BLOCK_M, BLOCK_N] tile of grad_W looping over all tokens in order: matmul.py's
-     persistent TMA GEMM, or `_matmul_kernel` when grad_bias[chunk] (column sums) rides along.
+  3. grad_W[chunk] = dlogits^T @ hidden, a [BLOCK_M, BLOCK_N] tile of grad_W looping over all tokens
+     in order: matmul.py's persistent TMA GEMM, or `_matmul_kernel` when grad_bias[chunk] (column
+     sums, same loop) rides along.
 
 Batch invariance: a token's logp and hidden gradient depend only on its own row - a row of a
 `tl.dot` tile does not depend on the other rows, tile shapes and K order are fixed per dtype,
@@ -40,7 +40,6 @@ from rl_engine.kernels.ops.pytorch.loss.linear_logp import NativeLinearLogpOp
 from rl_engine.kernels.ops.triton.linear.matmul import MatmulConfig, batch_invariant_mm, writable_rows
 from rl_engine.kernels.ops.triton.loss.logp import LOG2E, exp2_ftz, fold_lse, max_nan
 from rl_engine.kernels.ops.triton.runtime import (
-    SideStream,
     cast_rne,
     dot_fp32,
     ensure_cuda_context,
@@ -430,22 +429,19 @@ def _backward(hidden, weight, bias, targets, lse, grad_out, cfg, need_hidden, ne
     grad_weight = torch.empty_like(weight) if need_weight else None
     grad_bias = torch.empty_like(bias) if need_bias else None
     descs = logits_descriptors(hidden, weight, cfg)
-    side = SideStream(hidden.device)  # the weight gradient beside the hidden gradient: both only read d
     for v_start in range(0, v, chunk):
         v_stop = min(v_start + chunk, v)
         d = dlogits[:, : v_stop - v_start]
         _dlogits(descs, hidden, weight, bias, targets, lse, grad_out, d, v_start, v_stop, cfg)
+        if need_hidden:
+            _matmul(d, weight[v_start:v_stop], grad_hidden, accumulate=v_start > 0 or init is not None,
+                    gemm=cfg["DH"])
         if need_weight or need_bias:
             out = grad_weight[v_start:v_stop] if need_weight else torch.empty(
                 v_stop - v_start, h, dtype=hidden.dtype, device=hidden.device
             )
             row_sum = grad_bias[v_start:v_stop] if need_bias else None
-            with side:
-                _matmul(d.t(), hidden, out, row_sum=row_sum, gemm=cfg["DW"])
-        if need_hidden:
-            _matmul(d, weight[v_start:v_stop], grad_hidden, accumulate=v_start > 0 or init is not None,
-                    gemm=cfg["DH"])
-        side.join()  # before the next chunk's logits overwrite d
+            _matmul(d.t(), hidden, out, row_sum=row_sum, gemm=cfg["DW"])
     return grad_hidden, grad_weight, grad_bias
 
 

@@ -74,7 +74,7 @@ from rl_engine.kernels.ops.triton.loss.linear_logp import (
 )
 from rl_engine.kernels.ops.triton.loss.linear_logp import config as _linear_logp_config
 from rl_engine.kernels.ops.triton.loss.logp import LOG2E, exp2_ftz
-from rl_engine.kernels.ops.triton.runtime import SideStream, cast_rne, interpreting
+from rl_engine.kernels.ops.triton.runtime import cast_rne, interpreting
 
 # Tokens per chunk: a constant, never a function of N. The interpreter's is small so CPU tests at
 # N ~ 40 cross chunk borders; the vocabulary chunk and tiles come from linear_logp's fixed table.
@@ -311,7 +311,6 @@ def _gradients(rows, w, targets, lse, mean_z, a, b, inv_temp, cfg, need_hidden, 
     w_desc = tma_descriptor(w, [cfg["BLOCK_V"], cfg["BLOCK_H"]])
     h_descs = [tma_descriptor(rows[t0:t0 + tc], [cfg["BLOCK_T"], cfg["BLOCK_H"]]) for t0 in range(0, n, tc)]
     programs = num_programs(rows.device)
-    side = SideStream(rows.device)  # the weight gradient beside the hidden gradient: both only read d
     for v0 in range(0, v, vc):
         v1 = min(v0 + vc, v)
         dw = None if not need_weight else (grad_weight[v0:v1] if scratch is None else scratch[: v1 - v0])
@@ -324,12 +323,10 @@ def _gradients(rows, w, targets, lse, mean_z, a, b, inv_temp, cfg, need_hidden, 
                 a[t0:t1], b[t0:t1] if bonus else a, d, t1 - t0, v, h, v0, v1, inv_temp, d.stride(0),
                 ENTROPY_BONUS=bonus, NUM_PROGRAMS=programs, **_tile_options(cfg, rows.dtype),
             )
-            if need_weight:
-                with side:
-                    _matmul(d.t(), rows[t0:t1], dw, accumulate=t0 > 0, gemm=cfg["DW"])
             if need_hidden:
                 _matmul(d, w[v0:v1], grad_hidden[t0:t1], accumulate=v0 > 0, gemm=cfg["DH"])
-            side.join()  # before the next logits overwrite d
+            if need_weight:
+                _matmul(d.t(), rows[t0:t1], dw, accumulate=t0 > 0, gemm=cfg["DW"])
         if scratch is not None:
             grad_weight[v0:v1].copy_(dw)  # one round-to-nearest-even cast per element
     return grad_hidden, grad_weight
