@@ -122,7 +122,8 @@ def attention_config(dtype: torch.dtype, head_dim: int) -> AttentionConfig:
     if dtype == torch.float32:
         return AttentionConfig(TileConfig(64, 32, 4, 2), TileConfig(64, 32, 4, 2), TileConfig(32, 64, 4, 2),
                                flat_splits=flat)
-    if head_dim > 128:  # H200, 2026-12-01: 32x64 dK/dV tiles spill 4.6 KB a thread; 32x32 took the backward 27 -> 16 ms;
+    if head_dim > 128:
+        # H200, 2026-12-01: 32x64 dK/dV tiles spill 4.6 KB a thread; 32x32 took the backward 27 -> 16 ms;
         # 128x32 dQ tiles on 8 warps: forward + backward 18.07 vs 18.95 ms, ABBA (h200_probe_attention_hd256_dq_*.log)
         return AttentionConfig(TileConfig(64, 32, 4, 2), TileConfig(128, 32, 8, 2), TileConfig(32, 32, 4, 2))
     # bf16/fp16, head_dim 33…128: chosen on the H200 by benchmarks/attention_tiles.py (2026-11-30 and
