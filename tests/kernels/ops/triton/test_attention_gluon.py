@@ -1,6 +1,7 @@
 """The experimental Gluon attention forward (attention/gluon_forward.py): its input checks, its sm_90a
-compile on the CPU, and on the H200 the bits of flash.py's forward. Gluon's API moves between Triton
-releases; the module is written for the H200's Triton 3.6."""
+compile on the CPU, and on the H200 the bits (outputs and LSE) of flash.py's forward on the same sequence
+tables: a batch, left padding, packed sequences across a KV split, causal and not. Gluon's API moves
+between Triton releases; the module is written for the H200's Triton 3.6."""
 
 from __future__ import annotations
 
@@ -34,18 +35,19 @@ def _bf16(*shape, seed=0, device="cpu"):
 @pytest.mark.parametrize("bad, message", [
     (dict(dtype=torch.float16), "contiguous bf16"),
     (dict(d=64), "head_dim 128"),
-    (dict(s=100), "multiple of 192"),
-    (dict(s=2304), "one KV split"),
     (dict(hkv=3), "multiple of Hkv"),
+    (dict(dims=4), "rows"),
 ])
 def test_inputs_it_does_not_cover_are_refused(bad, message):
-    from rl_engine.kernels.ops.triton.attention.gluon_forward import check_inputs
+    from rl_engine.kernels.ops.triton.attention.gluon_forward import check_rows
 
-    s, d, hkv = bad.get("s", 192), bad.get("d", 128), bad.get("hkv", 2)
-    q = torch.zeros(1, s, 4, d, dtype=bad.get("dtype", torch.bfloat16))
-    k = torch.zeros(1, s, hkv, d, dtype=q.dtype)
+    d, hkv = bad.get("d", 128), bad.get("hkv", 2)
+    q = torch.zeros(192, 4, d, dtype=bad.get("dtype", torch.bfloat16))
+    k = torch.zeros(192, hkv, d, dtype=q.dtype)
+    if bad.get("dims") == 4:
+        q = q.unsqueeze(0)
     with pytest.raises(ValueError, match=message):
-        check_inputs(q, k, k.clone(), kv_split=2048)
+        check_rows(q, k, k.clone())
 
 
 @pytest.mark.parametrize("mask", ["causal", "full"])
@@ -61,19 +63,39 @@ def test_compiles_for_the_h200(mask):
     assert result["warps"] == 16, "three consumer warpgroups and a producer warp rounded up to a warpgroup"
 
 
+# (name, layout, lengths or starts, S, Hq, Hkv, causal): each compared with flash.py on the same table.
+GPU_CASES = [
+    ("batch", "padded", None, 1536, 32, 8, True),
+    ("batch_full", "padded", None, 576, 8, 2, False),
+    ("left_padded", "padded", [0, 300, 1000], 1100, 8, 8, True),
+    ("packed_splits", "packed", [2600, 900, 333, 1, 64, 191], None, 32, 8, True),
+    ("packed_full", "packed", [700, 129, 64], None, 8, 2, False),
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("b, s, hq, hkv", [(2, 1536, 32, 8), (1, 192, 4, 4), (3, 576, 8, 2)])
-def test_gpu_gives_the_bits_of_the_triton_forward(causal, b, s, hq, hkv):
+@pytest.mark.parametrize("name, layout, spec, s, hq, hkv, causal", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_gpu_gives_the_bits_of_the_triton_forward(name, layout, spec, s, hq, hkv, causal):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is written for Hopper (sm_90a)")
-    from rl_engine.kernels.ops.triton.attention.attention import triton_attention
-    from rl_engine.kernels.ops.triton.attention.gluon_forward import gluon_flash_forward
+    from rl_engine.kernels.ops.triton.attention import flash
+    from rl_engine.kernels.ops.triton.attention.attention import _packed_table, _padded_table
+    from rl_engine.kernels.ops.triton.attention.gluon_forward import gluon_forward
 
-    q, k, v = (_bf16(b, s, h, 128, seed=i, device="cuda") for i, h in enumerate((hq, hkv, hkv)))
-    got = gluon_flash_forward(q, k, v, causal=causal)
-    want = triton_attention(q, k, v, causal=causal)
-    assert torch.equal(got, want), f"{(got != want).float().mean().item():.2e} of the outputs differ"
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        *(t.transpose(1, 2).float() for t in (q, k, v)), is_causal=causal, enable_gqa=True).transpose(1, 2)
-    assert (got.float() - ref).abs().max().item() < 2e-2
+    if layout == "padded":
+        b = 3 if spec else 2
+        q4 = _bf16(b, s, hq, 128, seed=1, device="cuda")
+        table = _padded_table(q4, None if spec is None else torch.tensor(spec))
+        rows = b * s
+    else:
+        rows = sum(spec)
+        cu = torch.tensor([0] + spec).cumsum(0)
+        table = _packed_table(rows, cu, "cuda")
+    q, k, v = (_bf16(rows, h, 128, seed=i, device="cuda") for i, h in enumerate((hq, hkv, hkv)))
+    want, want_lse = flash.flash_forward(q, k, v, table, causal=causal, scale=128 ** -0.5)
+    got, got_lse = gluon_forward(q, k, v, table, causal=causal)
+    info = table.info.cpu().tolist()
+    for z, (q_row0, q_count, *_rest) in enumerate(info):
+        sl = slice(q_row0, q_row0 + q_count)
+        assert torch.equal(got[sl], want[sl]), f"sequence {z}: {(got[sl] != want[sl]).float().mean().item():.2e} differ"
+        assert torch.equal(got_lse[sl], want_lse[sl]), f"sequence {z}: the LSE differs"

@@ -1,23 +1,29 @@
 """A warp-specialised attention forward for Hopper in Gluon (Triton 3.6): the route to the overlap that
 flash.py's kernel cannot express. EXPERIMENTAL: not routed; nothing calls it but its tests and probes.
 
-Per CTA: three 64-row query tiles of one head, each on its own consumer warpgroup, and a 1-warp producer
-that streams the head's K/V blocks (64 keys) into a ring of shared buffers by TMA. A consumer issues the
-next block's q·kᵀ on the tensor cores before this block's softmax, and p·v takes p straight from
-registers; while one warpgroup runs its softmax the others' MMAs run. The per-row arithmetic is
-flash.py's instruction for instruction (64-key blocks, exp2 with an explicit fma, p rounded to the
-value dtype before its row sum and its product, the scale folded into the exp2's fma, the same
-accumulator layouts), so a row gets the bits of `triton_attention` while its keys fit one KV split
-(H200: equal bits at S = 1536, causal and not, `docs/evidence/h200_probe_gluon_attention_1bccfca.log`).
+Per CTA: three 64-row query tiles of one sequence and head, each on its own consumer warpgroup, and a
+1-warp producer that streams the union of their K/V blocks (64 keys) into a ring of shared buffers by TMA.
+A consumer issues the next block's q·kᵀ on the tensor cores before this block's softmax, and p·v takes p
+straight from registers; while one warpgroup runs its softmax the others' MMAs run. The per-row arithmetic
+is flash.py's instruction for instruction (64-key blocks from the sequence's first key, exp2 of an explicit
+fma, p rounded to bf16 before its row sum and its product, masks by `where`, the KV-split folds with the
+same fmas, the same accumulator layouts), so every row should get flash.py's bits and the decode, packed
+and chunked paths need not move.
 
-Scope today: [B,S,H,D] bf16, head_dim 128, S a multiple of 192, one KV split (S <= kv_split), no
-padding, no packing, no LSE (forward only). What routing it needs: the split folds, sequence tables
-(packed and padded rows, masked tails that load zeros), the LSE for the backward, other head sizes.
+Measured on the H200 (`docs/evidence/h200_probe_gluon_attention_1bccfca.log`), in its first form (plain
+[B,S,H,D], S a multiple of 192 up to one KV split): flash.py's bits, causal and not; 442 vs 386 TFLOP/s
+causal, 469 vs 430 full (B = 4, S = 4608, 32/8 heads). This form takes flash.py's sequence tables (padded,
+left-padded, packed, chunked), keys past kv_len read as zeros (a consumer copies a tail block into its own
+buffer), tiles past a sequence's queries drain the ring, the LSE, and KV splits (the running fold of a tile
+that spans splits lives in an fp32 workspace: a second accumulator does not fit three warpgroups'
+registers). NOT YET RUN ON A GPU: `tests/kernels/ops/triton/test_attention_gluon.py`'s gpu tests are the
+check. Scope: bf16, head_dim 128, forward only.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -28,9 +34,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from rl_engine.kernels.ops.triton.attention.flash import LOG2_E, attention_config, default_scale
+from rl_engine.kernels.ops.triton.attention.flash import LOG2_E, NO_WINDOW, attention_config, default_scale
 
 M_INIT = gl.constexpr(-1.0e30)
+NO_WINDOW_C = gl.constexpr(NO_WINDOW)
 BLOCK_M, BLOCK_N, HEAD_DIM = 64, 64, 128  # rows per consumer, keys per block: flash.py's bf16 forward tile
 CONSUMERS = 3
 CTA_ROWS = CONSUMERS * BLOCK_M
@@ -39,23 +46,29 @@ CONSUMER_REGS = 160  # 3 x 128 threads x 160 + 128 x 24 <= 64 Ki registers
 
 
 @gluon.jit
-def _producer(desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, kv_row0, kv_col, n_blocks,
+def _producer(desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col, glo, ghi,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    for i in range(n_blocks):
-        s = i % STAGES
-        mbarrier.wait(kv_empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+    for j in range(glo, ghi):
+        t = j - glo
+        s = t % STAGES
+        mbarrier.wait(kv_empty.index(s), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
         ready = kv_ready.index(s)
         mbarrier.expect(ready, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_k, [kv_row0 + i * BLOCK_N, kv_col], ready, k_bufs.index(s))
-        tma.async_copy_global_to_shared(desc_v, [kv_row0 + i * BLOCK_N, kv_col], ready, v_bufs.index(s))
+        tma.async_copy_global_to_shared(desc_k, [k_row0 + j * BLOCK_N, kv_col], ready, k_bufs.index(s))
+        tma.async_copy_global_to_shared(desc_v, [k_row0 + j * BLOCK_N, kv_col], ready, v_bufs.index(s))
 
 
 @gluon.jit
-def _softmax_block(qk, m, l, i, q_pos, k_base, qk_scale, BLOCK_N: gl.constexpr, MASKED: gl.constexpr):
-    """flash.py's `_online_softmax_block` up to the p·v product, on the wgmma accumulator layout."""
+def _softmax_block(qk, m, l, j, q_pos, k_base, kv_len, window, qk_scale, BLOCK_N: gl.constexpr,
+                   MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+    """flash.py's `_online_softmax_block` up to the p·v product, on the wgmma accumulator layout; a masked
+    block's visibility is `_masked_kv_block`'s."""
     if MASKED:
-        k_pos = i * BLOCK_N + k_base
-        qk = gl.where(gl.expand_dims(k_pos, 0) <= gl.expand_dims(q_pos, 1), qk, float("-inf"))
+        k_pos = j * BLOCK_N + k_base
+        visible = gl.expand_dims(k_pos < kv_len, 0) & (gl.expand_dims(k_pos, 0) > gl.expand_dims(q_pos - window, 1))
+        if CAUSAL:
+            visible = visible & (gl.expand_dims(k_pos, 0) <= gl.expand_dims(q_pos, 1))
+        qk = gl.where(visible, qk, float("-inf"))
     m_new = gl.maximum(m, gl.max(qk, 1) * qk_scale)
     alpha = gl.exp2(m - m_new)
     p_v = gl.exp2(gl.fma(qk, qk_scale, -gl.expand_dims(m_new, 1))).to(gl.bfloat16)
@@ -64,83 +77,204 @@ def _softmax_block(qk, m, l, i, q_pos, k_base, qk_scale, BLOCK_N: gl.constexpr, 
 
 
 @gluon.jit
-def _consumer(desc_o, q_smem, q_bar, k_bufs, v_bufs, kv_ready, kv_empty, qk_scale, q_row0, q_col, q_pos0, n_blocks,
+def _merge_split(m_t, l_t, acc_t, m, l, acc, row_o: gl.constexpr):
+    """flash.py's `_merge_split`: (m_t, l_t, acc_t) ⊕ (m, l, acc) with the same explicit fmas."""
+    m_new = gl.maximum(m_t, m)
+    a_t = gl.exp2(m_t - m_new)
+    a = gl.exp2(m - m_new)
+    l_new = gl.fma(l, a, l_t * a_t)
+    acc_new = gl.fma(acc, gl.expand_dims(gl.convert_layout(a, row_o, assert_trivial=True), 1),
+                     acc_t * gl.expand_dims(gl.convert_layout(a_t, row_o, assert_trivial=True), 1))
+    return m_new, l_new, acc_new
+
+
+@gluon.jit
+def _drain(kv_ready, kv_empty, first, last, glo, STAGES: gl.constexpr):
+    """Release ring blocks [first, last) this consumer does not read: each stage needs every consumer's
+    release before the producer refills it, and a release must follow that block's arrival."""
+    for j in range(first, last):
+        t = j - glo
+        mbarrier.wait(kv_ready.index(t % STAGES), (t // STAGES) & 1)
+        mbarrier.arrive(kv_empty.index(t % STAGES), count=1)
+
+
+@gluon.jit
+def _step(qk, m, l, acc, has_t, j, q_smem, k_bufs, v_bufs, kv_ready, kv_empty, T_M, T_L, t_ptr, rows_s, rows_ok_s,
+          rows_ok_o, head, stride_lr, q_pos, k_base, kv_len, window, qk_scale, s_zero, glo,
+          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_SPLIT: gl.constexpr, MASKED: gl.constexpr,
+          CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Key block j (not the tile's last): block j+1's q·kᵀ issued, block j's softmax and p·v, its stage
+    released, and a split that ends here folded into the running fold in T_M/T_L/T_ACC."""
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    t = j - glo
+    s = t % STAGES
+    nxt = (t + 1) % STAGES
+    mbarrier.wait(kv_ready.index(nxt), ((t + 1) // STAGES) & 1)
+    qk_next = warpgroup_mma(q_smem, k_bufs.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    m, l, p_v, alpha = _softmax_block(qk, m, l, j, q_pos, k_base, kv_len, window, qk_scale, BLOCK_N, MASKED,
+                                      CAUSAL)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o, assert_trivial=True), 1)
+    acc = warpgroup_mma(gl.convert_layout(p_v, p_layout, assert_trivial=True), v_bufs.index(s), acc, is_async=True)
+    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk_next, ))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(kv_empty.index(s), count=1)
+    if ((j + 1) * BLOCK_N) % KV_SPLIT == 0:  # a split ends and more blocks follow: fold it
+        if has_t:
+            m_t = gl.load(T_M + rows_s * stride_lr + head, mask=rows_ok_s)
+            l_t = gl.load(T_L + rows_s * stride_lr + head, mask=rows_ok_s)
+            acc_t = gl.load(t_ptr, mask=gl.expand_dims(rows_ok_o, 1))
+            m, l, acc = _merge_split(m_t, l_t, acc_t, m, l, acc, row_o)
+        gl.store(T_M + rows_s * stride_lr + head, m, mask=rows_ok_s)
+        gl.store(T_L + rows_s * stride_lr + head, l, mask=rows_ok_s)
+        gl.store(t_ptr, acc, mask=gl.expand_dims(rows_ok_o, 1))
+        has_t = 1
+        m = gl.full(m.shape, M_INIT, gl.float32, row_s)
+        l = gl.full(l.shape, 0.0, gl.float32, row_s)
+        acc = gl.zeros(acc.shape, gl.float32, o_layout)
+    return m, l, acc, qk, has_t
+
+
+@gluon.jit
+def _consumer(q_smem, q_bar, k_bufs, v_bufs, v_tail, kv_ready, kv_empty, O, LSE, T_M, T_L, T_ACC,
+              stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count, q_pos0,
+              first_q, kv_len, window, lo_b, mid_b, hi_b, glo, ghi,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr):
-    """One 64-row query tile on one warpgroup. With 64-row tiles and 64-key blocks only a causal tile's
-    last block is masked; the last block is peeled. Q's buffer holds the output at the end."""
+              CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr):
+    """One 64-row query tile on one warpgroup: key blocks [lo_b, mid_b) unmasked, [mid_b, hi_b) masked,
+    the next block's q·kᵀ issued before this block's softmax; the other blocks of the CTA's ring drained.
+    A split's state is folded into the tile's running fold (kept in T_M/T_L/T_ACC: a second fp32
+    accumulator does not fit three warpgroups' registers) when more blocks follow."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    m = gl.full([BLOCK_M], M_INIT, gl.float32, gl.SliceLayout(1, s_layout))
-    l = gl.full([BLOCK_M], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    q_pos = q_pos0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))
-    k_base = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
-
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(kv_ready.index(0), 0)
-    qk = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-    for i in range(n_blocks - 1):
-        s = i % STAGES
-        nxt = (i + 1) % STAGES
-        # The next block's scores go to the tensor cores before this block's softmax.
-        mbarrier.wait(kv_ready.index(nxt), ((i + 1) // STAGES) & 1)
-        qk_next = warpgroup_mma(q_smem, k_bufs.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        m, l, p_v, alpha = _softmax_block(qk, m, l, i, q_pos, k_base, qk_scale, BLOCK_N, False)
+    v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    mbarrier.wait(q_bar, 0)  # also for a tile without work: no copy may be in flight when the CTA exits
+    _drain(kv_ready, kv_empty, glo, lo_b, glo, STAGES)
+    if hi_b > lo_b:
+        m = gl.full([BLOCK_M], M_INIT, gl.float32, row_s)
+        l = gl.full([BLOCK_M], 0.0, gl.float32, row_s)
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        q_idx = first_q + gl.arange(0, BLOCK_M, row_s)
+        q_pos = q_pos0 + q_idx
+        k_base = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+        rows_o = (q_row0 + first_q + gl.arange(0, BLOCK_M, row_o)).to(gl.int64)
+        rows_ok_o = first_q + gl.arange(0, BLOCK_M, row_o) < q_count
+        d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
+        t_ptr = T_ACC + gl.expand_dims(rows_o * stride_tr + head * stride_th, 1) + gl.expand_dims(d, 0)
+        rows_s = (q_row0 + q_idx).to(gl.int64)
+        rows_ok_s = q_idx < q_count
+        has_t = gl.to_tensor(0)
+        t = lo_b - glo
+        mbarrier.wait(kv_ready.index(t % STAGES), (t // STAGES) & 1)
+        qk = warpgroup_mma(q_smem, k_bufs.index(t % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+        u = gl.minimum(mid_b, hi_b - 1)
+        for j in range(lo_b, u):  # unmasked blocks
+            m, l, acc, qk, has_t = _step(qk, m, l, acc, has_t, j, q_smem, k_bufs, v_bufs, kv_ready, kv_empty,
+                                         T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, q_pos,
+                                         k_base, kv_len, window, qk_scale, s_zero, glo, BLOCK_N, STAGES, KV_SPLIT,
+                                         False, CAUSAL, s_layout, o_layout)
+        for j in range(u, hi_b - 1):  # masked blocks but the last
+            m, l, acc, qk, has_t = _step(qk, m, l, acc, has_t, j, q_smem, k_bufs, v_bufs, kv_ready, kv_empty,
+                                         T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, q_pos,
+                                         k_base, kv_len, window, qk_scale, s_zero, glo, BLOCK_N, STAGES, KV_SPLIT,
+                                         True, CAUSAL, s_layout, o_layout)
+        j = hi_b - 1
+        s = (j - glo) % STAGES
+        m, l, p_v, alpha = _softmax_block(qk, m, l, j, q_pos, k_base, kv_len, window, qk_scale, BLOCK_N, True,
+                                          CAUSAL)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o, assert_trivial=True), 1)
-        acc = warpgroup_mma(gl.convert_layout(p_v, p_layout, assert_trivial=True), v_bufs.index(s), acc,
-                            is_async=True)
-        qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk_next, ))
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        p_op = gl.convert_layout(p_v, p_layout, assert_trivial=True)
+        if hi_b * BLOCK_N > kv_len:  # keys past kv_len (a neighbour's rows) read as zeros, as in flash.py
+            v = v_bufs.index(s).load(v_layout)
+            k_rows = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, v_layout))
+            v_tail.store(gl.where(gl.expand_dims(k_rows < kv_len, 1), v, 0.0))
+            fence_async_shared()
+            acc = warpgroup_mma(p_op, v_tail, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        else:
+            acc = warpgroup_mma(p_op, v_bufs.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(kv_empty.index(s), count=1)
-    i = n_blocks - 1
-    s = i % STAGES
-    m, l, p_v, alpha = _softmax_block(qk, m, l, i, q_pos, k_base, qk_scale, BLOCK_N, CAUSAL)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o, assert_trivial=True), 1)
-    acc = warpgroup_mma(gl.convert_layout(p_v, p_layout, assert_trivial=True), v_bufs.index(s), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    mbarrier.arrive(kv_empty.index(s), count=1)
-
-    l_safe = gl.where(l == 0.0, 1.0, l)
-    out = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o, assert_trivial=True), 1)
-    q_smem.store(out.to(gl.bfloat16))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(desc_o, [q_row0, q_col], q_smem)
-    tma.store_wait(0)
+        if has_t:
+            m_t = gl.load(T_M + rows_s * stride_lr + head, mask=rows_ok_s)
+            l_t = gl.load(T_L + rows_s * stride_lr + head, mask=rows_ok_s)
+            acc_t = gl.load(t_ptr, mask=gl.expand_dims(rows_ok_o, 1))
+            m, l, acc = _merge_split(m_t, l_t, acc_t, m, l, acc, row_o)
+        l_safe = gl.where(l == 0.0, 1.0, l)
+        out = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o, assert_trivial=True), 1)
+        o_ptr = O + gl.expand_dims(rows_o * stride_or + head * stride_oh, 1) + gl.expand_dims(d, 0)
+        gl.store(o_ptr, out.to(gl.bfloat16), mask=gl.expand_dims(rows_ok_o, 1))
+        gl.store(LSE + rows_s * stride_lr + head, m + gl.log2(l_safe), mask=rows_ok_s)
+    _drain(kv_ready, kv_empty, gl.maximum(hi_b, lo_b), ghi, glo, STAGES)
 
 
 @gluon.jit
-def gluon_forward_kernel(desc_q, desc_k, desc_v, desc_o, qk_scale, S, group,
+def _tile_blocks(q_pos0, first_q, q_count, kv_len, window, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """flash.py's `_key_blocks` in block units: [lo_b, mid_b) unmasked, [mid_b, hi_b) masked; an empty
+    range (lo_b = hi_b) for a tile past the sequence's queries."""
+    rows: gl.constexpr = 64
+    hi = kv_len
+    if CAUSAL:
+        hi = gl.minimum(kv_len, q_pos0 + gl.minimum(first_q + rows, q_count))
+    hi = gl.where(first_q < q_count, hi, 0)
+    lo = (gl.maximum(q_pos0 + first_q - window + 1, 0) // BLOCK_N) * BLOCK_N
+    mid = kv_len
+    if CAUSAL:
+        mid = gl.minimum(mid, q_pos0 + first_q + 1)
+    mid = gl.where(window == NO_WINDOW_C, lo + gl.maximum(mid - lo, 0) // BLOCK_N * BLOCK_N, lo)
+    mid = gl.minimum(mid, hi)
+    lo_b = lo // BLOCK_N
+    hi_b = gl.maximum(gl.cdiv(hi, BLOCK_N), lo_b)
+    return lo_b, gl.maximum(mid // BLOCK_N, lo_b), hi_b
+
+
+@gluon.jit
+def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_INFO,
+                         stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, group,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, REGS: gl.constexpr):
-    # grid (S / 192, Hq, B); causal: the last (heaviest) query tiles first, as in flash.py.
-    if CAUSAL:
-        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-    else:
-        pid_m = gl.program_id(0)
-    row0 = pid_m * 3 * BLOCK_M
-    kv_row0 = gl.program_id(2) * S
-    q_col = gl.program_id(1) * HEAD_DIM
-    kv_col = (gl.program_id(1) // group) * HEAD_DIM
-    if CAUSAL:
-        n0 = (row0 + BLOCK_M) // BLOCK_N
-        n1 = (row0 + 2 * BLOCK_M) // BLOCK_N
-        n2 = (row0 + 3 * BLOCK_M) // BLOCK_N
-    else:
-        n0 = S // BLOCK_N
-        n1 = n0
-        n2 = n0
+                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
+                         REGS: gl.constexpr):
+    # grid (cdiv(max q_count, 192), Hq, sequences): the last (heaviest) query tiles first, as in flash.py.
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+    head = gl.program_id(1)
+    info = SEQ_INFO + gl.program_id(2) * 6
+    q_row0 = gl.load(info + 0)
+    q_count = gl.load(info + 1)
+    q_pos0 = gl.load(info + 2)
+    k_row0 = gl.load(info + 3)
+    kv_len = gl.load(info + 4)
+    window = gl.load(info + 5)
+    first_q = pid_m * 3 * BLOCK_M
+    lo0, mid0, hi0 = _tile_blocks(q_pos0, first_q, q_count, kv_len, window, CAUSAL, BLOCK_N)
+    lo1, mid1, hi1 = _tile_blocks(q_pos0, first_q + BLOCK_M, q_count, kv_len, window, CAUSAL, BLOCK_N)
+    lo2, mid2, hi2 = _tile_blocks(q_pos0, first_q + 2 * BLOCK_M, q_count, kv_len, window, CAUSAL, BLOCK_N)
+    # The ring carries the union of the three tiles' blocks (a tile without blocks adds none).
+    big: gl.constexpr = 1 << 30
+    glo = gl.minimum(gl.minimum(gl.where(hi0 > lo0, lo0, big), gl.where(hi1 > lo1, lo1, big)),
+                     gl.where(hi2 > lo2, lo2, big))
+    ghi = gl.maximum(gl.maximum(hi0, hi1), hi2)
+    glo = gl.minimum(glo, ghi)
+    # A tile without blocks drains the whole ring.
+    lo0, mid0, hi0 = gl.where(hi0 > lo0, lo0, glo), gl.where(hi0 > lo0, mid0, glo), gl.where(hi0 > lo0, hi0, glo)
+    lo1, mid1, hi1 = gl.where(hi1 > lo1, lo1, glo), gl.where(hi1 > lo1, mid1, glo), gl.where(hi1 > lo1, hi1, glo)
+    lo2, mid2, hi2 = gl.where(hi2 > lo2, lo2, glo), gl.where(hi2 > lo2, mid2, glo), gl.where(hi2 > lo2, hi2, glo)
+    q_col = head * HEAD_DIM
+    kv_col = (head // group) * HEAD_DIM
+
     q0 = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
     q1 = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
     q2 = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
     k_bufs = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
     v_bufs = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
+    v_tails = gl.allocate_shared_memory(desc_v.dtype, [3] + desc_v.block_type.shape, desc_v.layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -150,61 +284,71 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, desc_o, qk_scale, S, group,
         mbarrier.init(kv_ready.index(s), count=1)
         mbarrier.init(kv_empty.index(s), count=3)  # each consumer releases each stage
     mbarrier.expect(q_bars.index(0), desc_q.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_q, [kv_row0 + row0, q_col], q_bars.index(0), q0)
+    tma.async_copy_global_to_shared(desc_q, [q_row0 + first_q, q_col], q_bars.index(0), q0)
     mbarrier.expect(q_bars.index(1), desc_q.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_q, [kv_row0 + row0 + BLOCK_M, q_col], q_bars.index(1), q1)
+    tma.async_copy_global_to_shared(desc_q, [q_row0 + first_q + BLOCK_M, q_col], q_bars.index(1), q1)
     mbarrier.expect(q_bars.index(2), desc_q.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_q, [kv_row0 + row0 + 2 * BLOCK_M, q_col], q_bars.index(2), q2)
+    tma.async_copy_global_to_shared(desc_q, [q_row0 + first_q + 2 * BLOCK_M, q_col], q_bars.index(2), q2)
     gl.warp_specialize([
-        (_consumer, (desc_o, q0, q_bars.index(0), k_bufs, v_bufs, kv_ready, kv_empty, qk_scale, kv_row0 + row0,
-                     q_col, row0, n0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-        (_consumer, (desc_o, q1, q_bars.index(1), k_bufs, v_bufs, kv_ready, kv_empty, qk_scale,
-                     kv_row0 + row0 + BLOCK_M, q_col, row0 + BLOCK_M, n1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-        (_consumer, (desc_o, q2, q_bars.index(2), k_bufs, v_bufs, kv_ready, kv_empty, qk_scale,
-                     kv_row0 + row0 + 2 * BLOCK_M, q_col, row0 + 2 * BLOCK_M, n2, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                     CAUSAL)),
-        (_producer, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, kv_row0, kv_col, n2, BLOCK_N, STAGES)),
+        (_consumer, (q0, q_bars.index(0), k_bufs, v_bufs, v_tails.index(0), kv_ready, kv_empty, O, LSE, T_M, T_L, T_ACC,
+                     stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count, q_pos0,
+                     first_q, kv_len, window, lo0, mid0, hi0, glo, ghi,
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
+        (_consumer, (q1, q_bars.index(1), k_bufs, v_bufs, v_tails.index(1), kv_ready, kv_empty, O, LSE, T_M, T_L, T_ACC,
+                     stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count, q_pos0,
+                     first_q + BLOCK_M, kv_len, window, lo1, mid1, hi1, glo, ghi,
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
+        (_consumer, (q2, q_bars.index(2), k_bufs, v_bufs, v_tails.index(2), kv_ready, kv_empty, O, LSE, T_M, T_L, T_ACC,
+                     stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count, q_pos0,
+                     first_q + 2 * BLOCK_M, kv_len, window, lo2, mid2, hi2, glo, ghi,
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
+        (_producer, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col, glo, ghi, BLOCK_N, STAGES)),
     ], [4, 4, 1], [REGS, REGS, 24])
 
 
-def descriptors(q, k, v, o):
-    """[B,S,H,D] tensors as 2-D [B·S, H·D] TMA descriptors; a tile is BLOCK rows of one head's D columns."""
+def check_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """ValueError (one line) for what this kernel does not cover yet: rows [R,H,D] as flash.py takes them."""
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(f"q, k, v: expected rows [R,H,D] with k and v alike, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in (q, k, v)):
+        raise ValueError("q, k, v: expected contiguous bf16 rows")
+    if q.shape[2] != HEAD_DIM or k.shape[2] != HEAD_DIM or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q, k: expected head_dim {HEAD_DIM} and Hq a multiple of Hkv; got {tuple(q.shape)} and "
+                         f"{tuple(k.shape)}")
+
+
+def gluon_forward(q, k, v, table, *, causal: bool, scale: float | None = None):
+    """flash.flash_forward's contract for the rows it covers (q [R,Hq,D], k/v [Rk,Hkv,D] bf16 rows, a
+    SequenceTable) -> (out [R,Hq,D], lse [R,Hq] fp32 log2); rows no sequence covers are left uninitialised."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    def desc(x, rows):
-        two_d = x.reshape(x.shape[0] * x.shape[1], x.shape[2] * x.shape[3])
-        block = [rows, x.shape[3]]
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-        return TensorDescriptor(two_d, list(two_d.shape), list(two_d.stride()), block, layout)
-
-    return desc(q, BLOCK_M), desc(k, BLOCK_N), desc(v, BLOCK_N), desc(o, BLOCK_M)
-
-
-def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_split: int) -> None:
-    """ValueError (one line) for what this kernel does not cover yet."""
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
-        raise ValueError(f"q, k, v: expected [B,S,H,D] with k and v alike, got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    b, s, hq, d = q.shape
-    if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in (q, k, v)):
-        raise ValueError("q, k, v: expected contiguous bf16 tensors")
-    if d != HEAD_DIM or k.shape[3] != d or k.shape[0] != b or k.shape[1] != s or hq % k.shape[2]:
-        raise ValueError(f"q, k: expected head_dim {HEAD_DIM}, equal B and S, Hq a multiple of Hkv; got "
-                         f"{tuple(q.shape)} and {tuple(k.shape)}")
-    if s == 0 or s % CTA_ROWS or s > kv_split:
-        raise ValueError(f"q: S must be a positive multiple of {CTA_ROWS} up to one KV split ({kv_split}), got {s}")
-
-
-def gluon_flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                        scale: float | None = None) -> torch.Tensor:
-    """q [B,S,Hq,D], k/v [B,S,Hkv,D] -> out [B,S,Hq,D] (see the module docstring for the scope)."""
-    check_inputs(q, k, v, attention_config(q.dtype, q.shape[3]).kv_split)
-    b, s, hq, d = q.shape
+    check_rows(q, k, v)
+    rows, hq, d = q.shape
     out = torch.empty_like(q)
-    gluon_forward_kernel[(s // CTA_ROWS, hq, b)](
-        *descriptors(q, k, v, out), default_scale(d, scale) * LOG2_E, s, hq // k.shape[2],
-        BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, causal, CONSUMER_REGS, num_warps=4)
-    return out
+    lse = torch.empty((rows, hq), dtype=torch.float32, device=q.device)
+    if table.num_sequences == 0 or rows == 0:
+        return out, lse
+    kv_split = attention_config(q.dtype, d).kv_split
+    if table.max_kv_len > kv_split:  # the running fold of tiles that span splits
+        t_m, t_l = torch.empty_like(lse), torch.empty_like(lse)
+        t_acc = torch.empty((rows, hq, d), dtype=torch.float32, device=q.device)
+    else:
+        t_m = t_l = t_acc = lse  # never read: no tile folds
+
+    def desc(x, block_rows):
+        two_d = x.view(x.shape[0], x.shape[1] * x.shape[2])
+        block = [block_rows, d]
+        return TensorDescriptor(two_d, list(two_d.shape), list(two_d.stride()), block,
+                                gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+
+    grid = (triton.cdiv(max(table.max_q_count, 1), CTA_ROWS), hq, table.num_sequences)
+    gluon_forward_kernel[grid](
+        desc(q, BLOCK_M), desc(k, BLOCK_N), desc(v, BLOCK_N), out, lse, t_m, t_l, t_acc, table.info,
+        out.stride(0), out.stride(1), lse.stride(0), t_acc.stride(0) if t_acc.dim() == 3 else 0,
+        t_acc.stride(1) if t_acc.dim() == 3 else 0, default_scale(d, scale) * LOG2_E, hq // k.shape[1],
+        BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, causal, kv_split, CONSUMER_REGS, num_warps=4)
+    return out, lse
 
 
 def compile_for_sm90(causal: bool):
@@ -227,8 +371,11 @@ def compile_for_sm90(causal: bool):
                                 gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
     kernel = gluon_forward_kernel
-    args = (desc(BLOCK_M, 32), desc(BLOCK_N, 8), desc(BLOCK_N, 8), desc(BLOCK_M, 32), 0.1, 2048, 4,
-            BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, causal, CONSUMER_REGS)
+    f32 = MockTensor("float32", [8192, 32])
+    args = (desc(BLOCK_M, 32), desc(BLOCK_N, 8), desc(BLOCK_N, 8), MockTensor("bfloat16", [8192, 32, HEAD_DIM]),
+            f32, f32, f32, MockTensor("float32", [8192, 32, HEAD_DIM]), MockTensor("int32", [4, 6]),
+            32 * HEAD_DIM, HEAD_DIM, 32, 32 * HEAD_DIM, HEAD_DIM, 0.1, 4,
+            BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, causal, 2048, CONSUMER_REGS)
     bound, specialization, options = create_function_from_signature(kernel.signature, kernel.params, backend)(
         *args, num_warps=4)
     options, signature, constexprs, attrs = kernel._pack_args(backend, {"num_warps": 4}, bound, specialization,
