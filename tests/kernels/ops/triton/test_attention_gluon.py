@@ -50,6 +50,17 @@ def test_inputs_it_does_not_cover_are_refused(bad, message):
         check_rows(q, k, k.clone())
 
 
+def test_flash_forward_routes_only_what_the_kernel_is_written_for():
+    from rl_engine.kernels.ops.triton.attention.gluon_forward import routes
+
+    assert routes(torch.bfloat16, 128, (9, 0), "3.6.0")
+    for dtype, head_dim, capability, version in [(torch.float16, 128, (9, 0), "3.6.0"),
+                                                (torch.bfloat16, 64, (9, 0), "3.6.0"),
+                                                (torch.bfloat16, 128, (10, 0), "3.6.0"),
+                                                (torch.bfloat16, 128, (9, 0), "3.9.0")]:
+        assert not routes(dtype, head_dim, capability, version)
+
+
 @pytest.mark.parametrize("mask", ["causal", "full"])
 def test_compiles_for_the_h200(mask):
     from rl_engine.kernels.ops.triton.sm90 import H200_SHARED_BYTES
@@ -75,10 +86,11 @@ GPU_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, layout, spec, s, hq, hkv, causal", GPU_CASES, ids=[c[0] for c in GPU_CASES])
-def test_gpu_gives_the_bits_of_the_triton_forward(name, layout, spec, s, hq, hkv, causal):
+def test_gpu_gives_the_bits_of_the_triton_forward(monkeypatch, name, layout, spec, s, hq, hkv, causal):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is written for Hopper (sm_90a)")
     from rl_engine.kernels.ops.triton.attention import flash
+    from rl_engine.kernels.ops.triton.attention import gluon_forward as gluon_forward_module
     from rl_engine.kernels.ops.triton.attention.attention import _packed_table, _padded_table
     from rl_engine.kernels.ops.triton.attention.gluon_forward import gluon_forward
 
@@ -92,7 +104,9 @@ def test_gpu_gives_the_bits_of_the_triton_forward(name, layout, spec, s, hq, hkv
         cu = torch.tensor([0] + spec).cumsum(0)
         table = _packed_table(rows, cu, "cuda")
     q, k, v = (_bf16(rows, h, 128, seed=i, device="cuda") for i, h in enumerate((hq, hkv, hkv)))
+    monkeypatch.setattr(gluon_forward_module, "covers", lambda *args: False)  # flash.py's own kernel
     want, want_lse = flash.flash_forward(q, k, v, table, causal=causal, scale=128 ** -0.5)
+    monkeypatch.undo()
     got, got_lse = gluon_forward(q, k, v, table, causal=causal)
     info = table.info.cpu().tolist()
     for z, (q_row0, q_count, *_rest) in enumerate(info):

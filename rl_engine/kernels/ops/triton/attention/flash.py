@@ -479,6 +479,11 @@ def flash_forward(q, k, v, table: SequenceTable, *, causal: bool, scale: float, 
     # the combine kernel. The bits are the same either way (both fold the same split states in the same
     # order); only the parallelism differs.
     partial = table.max_q_count <= q_per_tile and num_splits > 1
+    if not partial and heads_per_tile == 1 and q.is_cuda and not interpreting():
+        from rl_engine.kernels.ops.triton.attention import gluon_forward as gluon  # Hopper only: imported late
+
+        if gluon.covers(q, k, v):  # the same bits, warp-specialised (gluon_forward.py)
+            return gluon.gluon_forward(q, k, v, table, causal=causal, scale=scale)
     if partial:
         pm = torch.empty((num_splits, rows, hq), dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)

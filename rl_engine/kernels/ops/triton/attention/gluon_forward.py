@@ -1,5 +1,6 @@
 """A warp-specialised attention forward for Hopper in Gluon (Triton 3.6): the route to the overlap that
-flash.py's kernel cannot express. EXPERIMENTAL: not routed; nothing calls it but its tests and probes.
+flash.py's kernel cannot express. flash_forward hands it the launches it covers (`covers`): whole query
+tiles (not decode's split programs), one query head per tile, bf16, head_dim 128, on sm_90 with Triton 3.6.
 
 Per CTA: three 64-row query tiles of one sequence and head, each on its own consumer warpgroup, and a
 1-warp producer that streams the union of their K/V blocks (64 keys) into a ring of shared buffers by TMA.
@@ -21,6 +22,8 @@ check. Scope: bf16, head_dim 128, forward only.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -304,6 +307,25 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
         (_producer, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col, glo, ghi, BLOCK_N, STAGES)),
     ], [4, 4, 1], [REGS, REGS, 24])
+
+
+def routes(dtype: torch.dtype, head_dim: int, capability: tuple[int, int], triton_version: str) -> bool:
+    """Whether flash_forward's launch goes here: what this kernel is written for (Gluon's API moves
+    between Triton releases)."""
+    return (dtype == torch.bfloat16 and head_dim == HEAD_DIM and capability == (9, 0)
+            and triton_version.startswith("3.6."))
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def covers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """routes(...) for these CUDA rows, plus what TMA descriptors need: 16-byte aligned bases."""
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return (routes(q.dtype, q.shape[2], _capability(index), triton.__version__)
+            and k.dtype == v.dtype == q.dtype and all(t.data_ptr() % 16 == 0 for t in (q, k, v)))
 
 
 def check_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
