@@ -102,6 +102,30 @@ def _drain(kv_ready, kv_empty, first, last, glo, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _fold(T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, has_t, m, l, acc,
+          row_s: gl.constexpr, o_layout: gl.constexpr):
+    """The running fold ⊕ this split's state, as flash.py folds every split, the first into a fresh state
+    (not quite the identity: fma(-0, 1, 0) is +0). A fresh state's products are formed per row
+    (0·a_t is the same for every column), so no second accumulator lives in registers for it."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    if has_t:
+        m_t = gl.load(T_M + rows_s * stride_lr + head, mask=rows_ok_s)
+        l_t = gl.load(T_L + rows_s * stride_lr + head, mask=rows_ok_s)
+        acc_t = gl.load(t_ptr, mask=gl.expand_dims(rows_ok_o, 1))
+        m, l, acc = _merge_split(m_t, l_t, acc_t, m, l, acc, row_o)
+    else:
+        m_new = gl.maximum(gl.full(m.shape, M_INIT, gl.float32, row_s), m)
+        a_t = gl.exp2(M_INIT - m_new)
+        a = gl.exp2(m - m_new)
+        zero_t = gl.full(l.shape, 0.0, gl.float32, row_s) * a_t
+        l = gl.fma(l, a, zero_t)
+        acc = gl.fma(acc, gl.expand_dims(gl.convert_layout(a, row_o, assert_trivial=True), 1),
+                     gl.expand_dims(gl.convert_layout(zero_t, row_o, assert_trivial=True), 1))
+        m = m_new
+    return m, l, acc
+
+
+@gluon.jit
 def _step(qk, m, l, acc, has_t, j, q_smem, k_bufs, v_bufs, kv_ready, kv_empty, T_M, T_L, t_ptr, rows_s, rows_ok_s,
           rows_ok_o, head, stride_lr, q_pos, k_base, kv_len, window, qk_scale, s_zero, glo,
           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_SPLIT: gl.constexpr, MASKED: gl.constexpr,
@@ -124,11 +148,8 @@ def _step(qk, m, l, acc, has_t, j, q_smem, k_bufs, v_bufs, kv_ready, kv_empty, T
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(kv_empty.index(s), count=1)
     if ((j + 1) * BLOCK_N) % KV_SPLIT == 0:  # a split ends and more blocks follow: fold it
-        if has_t:
-            m_t = gl.load(T_M + rows_s * stride_lr + head, mask=rows_ok_s)
-            l_t = gl.load(T_L + rows_s * stride_lr + head, mask=rows_ok_s)
-            acc_t = gl.load(t_ptr, mask=gl.expand_dims(rows_ok_o, 1))
-            m, l, acc = _merge_split(m_t, l_t, acc_t, m, l, acc, row_o)
+        m, l, acc = _fold(T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, has_t, m, l, acc,
+                          row_s, o_layout)
         gl.store(T_M + rows_s * stride_lr + head, m, mask=rows_ok_s)
         gl.store(T_L + rows_s * stride_lr + head, l, mask=rows_ok_s)
         gl.store(t_ptr, acc, mask=gl.expand_dims(rows_ok_o, 1))
@@ -206,11 +227,8 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, v_tail, kv_ready, kv_empty, O, LSE,
             acc = warpgroup_mma(p_op, v_bufs.index(s), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(kv_empty.index(s), count=1)
-        if has_t:
-            m_t = gl.load(T_M + rows_s * stride_lr + head, mask=rows_ok_s)
-            l_t = gl.load(T_L + rows_s * stride_lr + head, mask=rows_ok_s)
-            acc_t = gl.load(t_ptr, mask=gl.expand_dims(rows_ok_o, 1))
-            m, l, acc = _merge_split(m_t, l_t, acc_t, m, l, acc, row_o)
+        m, l, acc = _fold(T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, has_t, m, l, acc,
+                          row_s, o_layout)
         l_safe = gl.where(l == 0.0, 1.0, l)
         out = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o, assert_trivial=True), 1)
         o_ptr = O + gl.expand_dims(rows_o * stride_or + head * stride_oh, 1) + gl.expand_dims(d, 0)
