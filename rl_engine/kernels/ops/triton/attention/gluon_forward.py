@@ -238,13 +238,13 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, v_tail, kv_ready, kv_empty, O, LSE,
 
 
 @gluon.jit
-def _tile_blocks(q_pos0, first_q, q_count, kv_len, window, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+def _tile_blocks(q_pos0, first_q, q_count, kv_len, window, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr):
     """flash.py's `_key_blocks` in block units: [lo_b, mid_b) unmasked, [mid_b, hi_b) masked; an empty
     range (lo_b = hi_b) for a tile past the sequence's queries."""
-    rows: gl.constexpr = 64
     hi = kv_len
     if CAUSAL:
-        hi = gl.minimum(kv_len, q_pos0 + gl.minimum(first_q + rows, q_count))
+        hi = gl.minimum(kv_len, q_pos0 + gl.minimum(first_q + BLOCK_M, q_count))
     hi = gl.where(first_q < q_count, hi, 0)
     lo = (gl.maximum(q_pos0 + first_q - window + 1, 0) // BLOCK_N) * BLOCK_N
     mid = kv_len
@@ -274,9 +274,9 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
     kv_len = gl.load(info + 4)
     window = gl.load(info + 5)
     first_q = pid_m * 3 * BLOCK_M
-    lo0, mid0, hi0 = _tile_blocks(q_pos0, first_q, q_count, kv_len, window, CAUSAL, BLOCK_N)
-    lo1, mid1, hi1 = _tile_blocks(q_pos0, first_q + BLOCK_M, q_count, kv_len, window, CAUSAL, BLOCK_N)
-    lo2, mid2, hi2 = _tile_blocks(q_pos0, first_q + 2 * BLOCK_M, q_count, kv_len, window, CAUSAL, BLOCK_N)
+    lo0, mid0, hi0 = _tile_blocks(q_pos0, first_q, q_count, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
+    lo1, mid1, hi1 = _tile_blocks(q_pos0, first_q + BLOCK_M, q_count, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
+    lo2, mid2, hi2 = _tile_blocks(q_pos0, first_q + 2 * BLOCK_M, q_count, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
     # The ring carries the union of the three tiles' blocks (a tile without blocks adds none).
     big: gl.constexpr = 1 << 30
     glo = gl.minimum(gl.minimum(gl.where(hi0 > lo0, lo0, big), gl.where(hi1 > lo1, lo1, big)),
