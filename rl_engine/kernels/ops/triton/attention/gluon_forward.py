@@ -41,7 +41,8 @@ from rl_engine.kernels.ops.triton.attention.flash import LOG2_E, NO_WINDOW, atte
 
 M_INIT = gl.constexpr(-1.0e30)
 NO_WINDOW_C = gl.constexpr(NO_WINDOW)
-BLOCK_M, BLOCK_N, HEAD_DIM = 64, 64, 128  # rows per consumer, keys per block: flash.py's bf16 forward tile
+BLOCK_M, BLOCK_N = 64, 64  # rows per consumer, keys per block: flash.py's bf16 forward tile (head_dim 64 and 128)
+HEAD_DIMS = (64, 128)
 CONSUMERS = 3
 CTA_ROWS = CONSUMERS * BLOCK_M
 STAGES = 3  # K/V ring depth: the next block's q·kᵀ holds one more stage than the walk
@@ -189,11 +190,12 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, v_tail, kv_ready, kv_empty, O, LSE,
         q_pos = q_pos0 + q_idx
         k_base = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
         rows_o = (q_row0 + first_q + gl.arange(0, BLOCK_M, row_o)).to(gl.int64)
-        rows_ok_o = first_q + gl.arange(0, BLOCK_M, row_o) < q_count
+        q_idx_o = first_q + gl.arange(0, BLOCK_M, row_o)
+        rows_ok_o = (q_idx_o >= 0) & (q_idx_o < q_count)
         d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
         t_ptr = T_ACC + gl.expand_dims(rows_o * stride_tr + head * stride_th, 1) + gl.expand_dims(d, 0)
         rows_s = (q_row0 + q_idx).to(gl.int64)
-        rows_ok_s = q_idx < q_count
+        rows_ok_s = (q_idx >= 0) & (q_idx < q_count)
         has_t = gl.to_tensor(0)
         t = lo_b - glo
         mbarrier.wait(kv_ready.index(t % STAGES), (t // STAGES) & 1)
@@ -240,12 +242,14 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, v_tail, kv_ready, kv_empty, O, LSE,
 @gluon.jit
 def _tile_blocks(q_pos0, first_q, q_count, kv_len, window, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr):
-    """flash.py's `_key_blocks` in block units: [lo_b, mid_b) unmasked, [mid_b, hi_b) masked; an empty
-    range (lo_b = hi_b) for a tile past the sequence's queries."""
+    """flash.py's `_key_blocks` in block units for the tile's rows [first_q, first_q + BLOCK_M) that are
+    queries (first_q may be negative: CTAs are aligned to the sequence's end): [lo_b, mid_b) unmasked,
+    [mid_b, hi_b) masked; an empty range (lo_b = hi_b) for a tile without queries."""
     hi = kv_len
     if CAUSAL:
         hi = gl.minimum(kv_len, q_pos0 + gl.minimum(first_q + BLOCK_M, q_count))
-    hi = gl.where(first_q < q_count, hi, 0)
+    hi = gl.where((first_q < q_count) & (first_q + BLOCK_M > 0), hi, 0)
+    first_q = gl.maximum(first_q, 0)
     lo = (gl.maximum(q_pos0 + first_q - window + 1, 0) // BLOCK_N) * BLOCK_N
     mid = kv_len
     if CAUSAL:
@@ -264,7 +268,10 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
                          REGS: gl.constexpr):
     # grid (cdiv(max q_count, 192), Hq, sequences): the last (heaviest) query tiles first, as in flash.py.
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+    # CTAs are aligned to the sequence's end, so a CTA with fewer than three query tiles is the first,
+    # the lightest under a causal mask (a row's bits do not depend on where its tile starts: chunked
+    # prefill relies on that too); its rows before the sequence are loaded (zeros or a neighbour's) and
+    # never stored.
     head = gl.program_id(1)
     info = SEQ_INFO + gl.program_id(2) * 6
     q_row0 = gl.load(info + 0)
@@ -273,7 +280,7 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
     k_row0 = gl.load(info + 3)
     kv_len = gl.load(info + 4)
     window = gl.load(info + 5)
-    first_q = pid_m * 3 * BLOCK_M
+    first_q = q_count - (gl.program_id(0) + 1) * 3 * BLOCK_M
     lo0, mid0, hi0 = _tile_blocks(q_pos0, first_q, q_count, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
     lo1, mid1, hi1 = _tile_blocks(q_pos0, first_q + BLOCK_M, q_count, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
     lo2, mid2, hi2 = _tile_blocks(q_pos0, first_q + 2 * BLOCK_M, q_count, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
@@ -330,7 +337,7 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
 def routes(dtype: torch.dtype, head_dim: int, capability: tuple[int, int], triton_version: str) -> bool:
     """Whether flash_forward's launch goes here: what this kernel is written for (Gluon's API moves
     between Triton releases)."""
-    return (dtype == torch.bfloat16 and head_dim == HEAD_DIM and capability == (9, 0)
+    return (dtype == torch.bfloat16 and head_dim in HEAD_DIMS and capability == (9, 0)
             and triton_version.startswith("3.6."))
 
 
@@ -353,8 +360,8 @@ def check_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                          f"{tuple(v.shape)}")
     if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in (q, k, v)):
         raise ValueError("q, k, v: expected contiguous bf16 rows")
-    if q.shape[2] != HEAD_DIM or k.shape[2] != HEAD_DIM or q.shape[1] % k.shape[1]:
-        raise ValueError(f"q, k: expected head_dim {HEAD_DIM} and Hq a multiple of Hkv; got {tuple(q.shape)} and "
+    if q.shape[2] not in HEAD_DIMS or k.shape[2] != q.shape[2] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q, k: expected head_dim 64 or 128 and Hq a multiple of Hkv; got {tuple(q.shape)} and "
                          f"{tuple(k.shape)}")
 
 
@@ -387,11 +394,11 @@ def gluon_forward(q, k, v, table, *, causal: bool, scale: float | None = None):
         desc(q, BLOCK_M), desc(k, BLOCK_N), desc(v, BLOCK_N), out, lse, t_m, t_l, t_acc, table.info,
         out.stride(0), out.stride(1), lse.stride(0), t_acc.stride(0) if t_acc.dim() == 3 else 0,
         t_acc.stride(1) if t_acc.dim() == 3 else 0, default_scale(d, scale) * LOG2_E, hq // k.shape[1],
-        BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, causal, kv_split, CONSUMER_REGS, num_warps=4)
+        BLOCK_M, BLOCK_N, d, STAGES, causal, kv_split, CONSUMER_REGS, num_warps=4)
     return out, lse
 
 
-def compile_for_sm90(causal: bool):
+def compile_for_sm90(causal: bool, head_dim: int = 128):
     """The kernel compiled for sm_90a with no GPU present (the interpreter must be off: Gluon has none),
     bound through the launcher's own argument binding to stand-in tensors of a B·S = 8192, 32/8-head problem."""
     from triton import compile as triton_compile
@@ -405,17 +412,17 @@ def compile_for_sm90(causal: bool):
     backend = make_backend(target)
 
     def desc(rows, heads):
-        t = MockTensor("bfloat16", [8192, heads * HEAD_DIM])
-        block = [rows, HEAD_DIM]
-        return TensorDescriptor(t, [8192, heads * HEAD_DIM], [heads * HEAD_DIM, 1], block,
+        t = MockTensor("bfloat16", [8192, heads * head_dim])
+        block = [rows, head_dim]
+        return TensorDescriptor(t, [8192, heads * head_dim], [heads * head_dim, 1], block,
                                 gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
     kernel = gluon_forward_kernel
     f32 = MockTensor("float32", [8192, 32])
-    args = (desc(BLOCK_M, 32), desc(BLOCK_N, 8), desc(BLOCK_N, 8), MockTensor("bfloat16", [8192, 32, HEAD_DIM]),
-            f32, f32, f32, MockTensor("float32", [8192, 32, HEAD_DIM]), MockTensor("int32", [4, 6]),
-            32 * HEAD_DIM, HEAD_DIM, 32, 32 * HEAD_DIM, HEAD_DIM, 0.1, 4,
-            BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, causal, 2048, CONSUMER_REGS)
+    args = (desc(BLOCK_M, 32), desc(BLOCK_N, 8), desc(BLOCK_N, 8), MockTensor("bfloat16", [8192, 32, head_dim]),
+            f32, f32, f32, MockTensor("float32", [8192, 32, head_dim]), MockTensor("int32", [4, 6]),
+            32 * head_dim, head_dim, 32, 32 * head_dim, head_dim, 0.1, 4,
+            BLOCK_M, BLOCK_N, head_dim, STAGES, causal, 2048, CONSUMER_REGS)
     bound, specialization, options = create_function_from_signature(kernel.signature, kernel.params, backend)(
         *args, num_warps=4)
     options, signature, constexprs, attrs = kernel._pack_args(backend, {"num_warps": 4}, bound, specialization,
