@@ -41,8 +41,8 @@ from rl_engine.kernels.ops.triton.attention.flash import LOG2_E, NO_WINDOW, atte
 
 M_INIT = gl.constexpr(-1.0e30)
 NO_WINDOW_C = gl.constexpr(NO_WINDOW)
-BLOCK_M, BLOCK_N = 64, 64  # rows per consumer, keys per block: flash.py's bf16 forward tile (head_dim 64 and 128)
-HEAD_DIMS = (64, 128)
+BLOCK_M, BLOCK_N = 64, 64  # rows per consumer, keys per block: flash.py's bf16 forward tile
+HEAD_DIMS = (128,)  # head_dim 64: 13% slower than flash.py (h200_probe_gluon_end_aligned_hd64_e81084f.log)
 CONSUMERS = 3
 CTA_ROWS = CONSUMERS * BLOCK_M
 STAGES = 3  # K/V ring depth: the next block's q·kᵀ holds one more stage than the walk
@@ -268,10 +268,10 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
                          REGS: gl.constexpr):
     # grid (cdiv(max q_count, 192), Hq, sequences): the last (heaviest) query tiles first, as in flash.py.
-    # CTAs are aligned to the sequence's end, so a CTA with fewer than three query tiles is the first,
-    # the lightest under a causal mask (a row's bits do not depend on where its tile starts: chunked
+    # Under a causal mask CTAs are aligned to the sequence's end, so a CTA with fewer than three query
+    # tiles is the first, the lightest (a row's bits do not depend on where its tile starts: chunked
     # prefill relies on that too); its rows before the sequence are loaded (zeros or a neighbour's) and
-    # never stored.
+    # never stored. H200: +2% causal, -1..2% without a mask (h200_probe_gluon_end_aligned_hd64_e81084f.log).
     head = gl.program_id(1)
     info = SEQ_INFO + gl.program_id(2) * 6
     q_row0 = gl.load(info + 0)
@@ -280,7 +280,10 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
     k_row0 = gl.load(info + 3)
     kv_len = gl.load(info + 4)
     window = gl.load(info + 5)
-    first_q = q_count - (gl.program_id(0) + 1) * 3 * BLOCK_M
+    if CAUSAL:
+        first_q = q_count - (gl.program_id(0) + 1) * 3 * BLOCK_M
+    else:
+        first_q = (gl.num_programs(0) - 1 - gl.program_id(0)) * 3 * BLOCK_M
     lo0, mid0, hi0 = _tile_blocks(q_pos0, first_q, q_count, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
     lo1, mid1, hi1 = _tile_blocks(q_pos0, first_q + BLOCK_M, q_count, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
     lo2, mid2, hi2 = _tile_blocks(q_pos0, first_q + 2 * BLOCK_M, q_count, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
@@ -361,7 +364,7 @@ def check_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in (q, k, v)):
         raise ValueError("q, k, v: expected contiguous bf16 rows")
     if q.shape[2] not in HEAD_DIMS or k.shape[2] != q.shape[2] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"q, k: expected head_dim 64 or 128 and Hq a multiple of Hkv; got {tuple(q.shape)} and "
+        raise ValueError(f"q, k: expected head_dim {HEAD_DIMS} and Hq a multiple of Hkv; got {tuple(q.shape)} and "
                          f"{tuple(k.shape)}")
 
 
