@@ -2,24 +2,27 @@
 flash.py's kernel cannot express. flash_forward hands it the launches it covers (`covers`): whole query
 tiles (not decode's split programs), one query head per tile, bf16, head_dim 128, on sm_90 with Triton 3.6.
 
-Per CTA: three 64-row query tiles of one sequence and head, each on its own consumer warpgroup, and a
+Per CTA: two (or three) 64-row query tiles of one sequence and head, each on its own consumer warpgroup, and a
 1-warp producer that streams the union of their K/V blocks (64 keys) into a ring of shared buffers by TMA.
-A consumer issues the next block's q·kᵀ on the tensor cores before this block's softmax, and p·v takes p
-straight from registers; while one warpgroup runs its softmax the others' MMAs run. The per-row arithmetic
-is flash.py's instruction for instruction (64-key blocks from the sequence's first key, exp2 of an explicit
-fma, p rounded to bf16 before its row sum and its product, masks by `where`, the KV-split folds with the
-same fmas, the same accumulator layouts), so every row gets flash.py's bits and the decode, packed and
-chunked paths need not move.
+A consumer issues block j's q·kᵀ and block j-1's p·v together and runs block j's softmax while p·v is in
+flight (FA3's intra-warpgroup overlap; p goes to the tensor cores straight from registers), so its own
+MMAs overlap its softmax and the other warpgroups' MMAs fill the gaps. The per-row arithmetic is flash.py's
+instruction for instruction and in flash.py's order (64-key blocks from the sequence's first key, exp2 of an
+explicit fma, p rounded to bf16 before its row sum and its product, masks by `where`, acc += p·v then
+acc *= alpha, the KV-split folds with the same fmas, the same accumulator layouts), so every row gets
+flash.py's bits and the decode, packed and chunked paths need not move.
 
 It takes flash.py's sequence tables (padded, left-padded, packed, chunked), reads keys past kv_len as zeros (a
 consumer copies a tail block into its own buffer), drains the ring for tiles without queries, writes the LSE,
 and folds KV splits as flash.py does (the running fold of a tile that spans splits lives in an fp32
 workspace: a second accumulator does not fit three warpgroups' registers).
 
-Measured on the H200 (torch 2.11, Triton 3.6): outputs and LSE equal to flash.py's on every table tried, and
-420 vs 392 TFLOP/s causal, 451-461 vs 439 full at S = 4096, B = 4, 32/8 heads (cuDNN 527 / 605;
-`docs/evidence/h200_probe_gluon_end_aligned_hd64_e81084f.log`). Head_dim 64 written this way was 13% slower
-than flash.py, so only head_dim 128 is routed. Scope: bf16, head_dim 128, forward only.
+Measured on the H200 (torch 2.11, Triton 3.6), in the form gated at cce6aed (three consumers, the next block's
+q·kᵀ issued before this block's softmax, p·v waited at once): outputs and LSE equal to flash.py's on every
+table tried, and 420 vs 392 TFLOP/s causal, 451-461 vs 439 full at S = 4096, B = 4, 32/8 heads (cuDNN
+527 / 605; `docs/evidence/h200_probe_gluon_end_aligned_hd64_e81084f.log`). This overlapped form (branch
+next-gluon-overlap) is NOT YET RUN ON A GPU. Head_dim 64 written the gated way was 13% slower than
+flash.py, so only head_dim 128 is routed. Scope: bf16, head_dim 128, forward only.
 """
 
 from __future__ import annotations
@@ -44,10 +47,10 @@ M_INIT = gl.constexpr(-1.0e30)
 NO_WINDOW_C = gl.constexpr(NO_WINDOW)
 BLOCK_M, BLOCK_N = 64, 64  # rows per consumer, keys per block: flash.py's bf16 forward tile
 HEAD_DIMS = (128,)  # head_dim 64: 13% slower than flash.py (h200_probe_gluon_end_aligned_hd64_e81084f.log)
-CONSUMERS = 3
-CTA_ROWS = CONSUMERS * BLOCK_M
-STAGES = 3  # K/V ring depth: the next block's q·kᵀ holds one more stage than the walk
-CONSUMER_REGS = 160  # 3 x 128 threads x 160 + 128 x 24 <= 64 Ki registers
+# consumer warpgroups -> (K/V ring depth, registers per consumer thread): a consumer holds block j-1 (its p·v in
+# flight) and block j (its q·kᵀ) while the producer fills the next; CONSUMERS x 128 x REGS + 128 x 24 <= 64 Ki.
+SHAPES = {2: (4, 240), 3: (3, 160)}
+CONSUMERS = 2
 
 
 @gluon.jit
@@ -128,38 +131,40 @@ def _fold(T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, has_t,
 
 
 @gluon.jit
-def _step(qk, m, l, acc, has_t, j, q_smem, k_bufs, v_bufs, kv_ready, kv_empty, T_M, T_L, t_ptr, rows_s, rows_ok_s,
-          rows_ok_o, head, stride_lr, q_pos, k_base, kv_len, window, qk_scale, s_zero, glo,
+def _step(p_prev, m, l, acc, has_t, j, q_smem, k_bufs, v_bufs, kv_ready, kv_empty, T_M, T_L, t_ptr, rows_s,
+          rows_ok_s, rows_ok_o, head, stride_lr, q_pos, k_base, kv_len, window, qk_scale, s_zero, glo,
           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_SPLIT: gl.constexpr, MASKED: gl.constexpr,
           CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """Key block j (not the tile's last): block j+1's q·kᵀ issued, block j's softmax and p·v, its stage
-    released, and a split that ends here folded into the running fold in T_M/T_L/T_ACC."""
+    """Key block j (not the tile's first): its q·kᵀ and block j-1's p·v issued together, block j's softmax
+    run while p·v is in flight (FA3's intra-warpgroup overlap), then acc rescaled. The operations on a row
+    are flash.py's in flash.py's order: acc += p_{j-1}·v_{j-1}, then acc *= alpha_j. When block j-1 ended a
+    split, block j's softmax starts from a fresh state and the finished split is folded into T_M/T_L/T_ACC."""
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     t = j - glo
     s = t % STAGES
-    nxt = (t + 1) % STAGES
-    mbarrier.wait(kv_ready.index(nxt), ((t + 1) // STAGES) & 1)
-    qk_next = warpgroup_mma(q_smem, k_bufs.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    m, l, p_v, alpha = _softmax_block(qk, m, l, j, q_pos, k_base, kv_len, window, qk_scale, BLOCK_N, MASKED,
-                                      CAUSAL)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o, assert_trivial=True), 1)
-    acc = warpgroup_mma(gl.convert_layout(p_v, p_layout, assert_trivial=True), v_bufs.index(s), acc, is_async=True)
-    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk_next, ))
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    mbarrier.arrive(kv_empty.index(s), count=1)
-    if ((j + 1) * BLOCK_N) % KV_SPLIT == 0:  # a split ends and more blocks follow: fold it
-        m, l, acc = _fold(T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, has_t, m, l, acc,
-                          row_s, o_layout)
-        gl.store(T_M + rows_s * stride_lr + head, m, mask=rows_ok_s)
-        gl.store(T_L + rows_s * stride_lr + head, l, mask=rows_ok_s)
-        gl.store(t_ptr, acc, mask=gl.expand_dims(rows_ok_o, 1))
+    prv = (t - 1) % STAGES
+    mbarrier.wait(kv_ready.index(s), (t // STAGES) & 1)
+    qk = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    acc = warpgroup_mma(p_prev, v_bufs.index(prv), acc, is_async=True)
+    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
+    fresh = ((j * BLOCK_N) % KV_SPLIT) == 0
+    m_in = gl.where(fresh, gl.full(m.shape, M_INIT, gl.float32, row_s), m)
+    l_in = gl.where(fresh, gl.full(l.shape, 0.0, gl.float32, row_s), l)
+    m_new, l_new, p_v, alpha = _softmax_block(qk, m_in, l_in, j, q_pos, k_base, kv_len, window, qk_scale, BLOCK_N,
+                                              MASKED, CAUSAL)
+    acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_prev))
+    mbarrier.arrive(kv_empty.index(prv), count=1)
+    if fresh:  # block j-1 ended a split: fold it, this block starts the next
+        m_t, l_t, acc_t = _fold(T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, has_t, m, l, acc,
+                                row_s, o_layout)
+        gl.store(T_M + rows_s * stride_lr + head, m_t, mask=rows_ok_s)
+        gl.store(T_L + rows_s * stride_lr + head, l_t, mask=rows_ok_s)
+        gl.store(t_ptr, acc_t, mask=gl.expand_dims(rows_ok_o, 1))
         has_t = 1
-        m = gl.full(m.shape, M_INIT, gl.float32, row_s)
-        l = gl.full(l.shape, 0.0, gl.float32, row_s)
         acc = gl.zeros(acc.shape, gl.float32, o_layout)
-    return m, l, acc, qk, has_t
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout), assert_trivial=True), 1)
+    return m_new, l_new, acc, gl.convert_layout(p_v, p_layout, assert_trivial=True), has_t
 
 
 @gluon.jit
@@ -169,9 +174,9 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, v_tail, kv_ready, kv_empty, O, LSE,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr):
     """One 64-row query tile on one warpgroup: key blocks [lo_b, mid_b) unmasked, [mid_b, hi_b) masked,
-    the next block's q·kᵀ issued before this block's softmax; the other blocks of the CTA's ring drained.
-    A split's state is folded into the tile's running fold (kept in T_M/T_L/T_ACC: a second fp32
-    accumulator does not fit three warpgroups' registers) when more blocks follow."""
+    each block's softmax overlapping the previous block's p·v (`_step`); the other blocks of the CTA's ring
+    drained. A split's state is folded into the tile's running fold (kept in T_M/T_L/T_ACC: a second fp32
+    accumulator does not fit the consumers' registers) when more blocks follow."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -198,27 +203,33 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, v_tail, kv_ready, kv_empty, O, LSE,
         rows_s = (q_row0 + q_idx).to(gl.int64)
         rows_ok_s = (q_idx >= 0) & (q_idx < q_count)
         has_t = gl.to_tensor(0)
+        # block lo_b: its scores and softmax (a split never starts inside a tile's first block)
         t = lo_b - glo
         mbarrier.wait(kv_ready.index(t % STAGES), (t // STAGES) & 1)
         qk = warpgroup_mma(q_smem, k_bufs.index(t % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-        u = gl.minimum(mid_b, hi_b - 1)
-        for j in range(lo_b, u):  # unmasked blocks
-            m, l, acc, qk, has_t = _step(qk, m, l, acc, has_t, j, q_smem, k_bufs, v_bufs, kv_ready, kv_empty,
-                                         T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, q_pos,
-                                         k_base, kv_len, window, qk_scale, s_zero, glo, BLOCK_N, STAGES, KV_SPLIT,
-                                         False, CAUSAL, s_layout, o_layout)
-        for j in range(u, hi_b - 1):  # masked blocks but the last
-            m, l, acc, qk, has_t = _step(qk, m, l, acc, has_t, j, q_smem, k_bufs, v_bufs, kv_ready, kv_empty,
-                                         T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, q_pos,
-                                         k_base, kv_len, window, qk_scale, s_zero, glo, BLOCK_N, STAGES, KV_SPLIT,
-                                         True, CAUSAL, s_layout, o_layout)
-        j = hi_b - 1
-        s = (j - glo) % STAGES
-        m, l, p_v, alpha = _softmax_block(qk, m, l, j, q_pos, k_base, kv_len, window, qk_scale, BLOCK_N, True,
-                                          CAUSAL)
+        if lo_b < mid_b:
+            m, l, p_v, alpha = _softmax_block(qk, m, l, lo_b, q_pos, k_base, kv_len, window, qk_scale, BLOCK_N,
+                                              False, CAUSAL)
+        else:
+            m, l, p_v, alpha = _softmax_block(qk, m, l, lo_b, q_pos, k_base, kv_len, window, qk_scale, BLOCK_N,
+                                              True, CAUSAL)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o, assert_trivial=True), 1)
         p_op = gl.convert_layout(p_v, p_layout, assert_trivial=True)
+        u = gl.maximum(mid_b, lo_b + 1)
+        for j in range(lo_b + 1, u):  # unmasked blocks
+            m, l, acc, p_op, has_t = _step(p_op, m, l, acc, has_t, j, q_smem, k_bufs, v_bufs, kv_ready, kv_empty,
+                                           T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, q_pos,
+                                           k_base, kv_len, window, qk_scale, s_zero, glo, BLOCK_N, STAGES, KV_SPLIT,
+                                           False, CAUSAL, s_layout, o_layout)
+        for j in range(u, hi_b):  # masked blocks
+            m, l, acc, p_op, has_t = _step(p_op, m, l, acc, has_t, j, q_smem, k_bufs, v_bufs, kv_ready, kv_empty,
+                                           T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, q_pos,
+                                           k_base, kv_len, window, qk_scale, s_zero, glo, BLOCK_N, STAGES, KV_SPLIT,
+                                           True, CAUSAL, s_layout, o_layout)
+        # the last block's p·v
+        j = hi_b - 1
+        s = (j - glo) % STAGES
         if hi_b * BLOCK_N > kv_len:  # keys past kv_len (a neighbour's rows) read as zeros, as in flash.py
             v = v_bufs.index(s).load(v_layout)
             k_rows = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, v_layout))
@@ -267,10 +278,10 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
                          stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, group,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
-                         REGS: gl.constexpr):
-    # grid (cdiv(max q_count, 192), Hq, sequences): the last (heaviest) query tiles first, as in flash.py.
-    # Under a causal mask CTAs are aligned to the sequence's end, so a CTA with fewer than three query
-    # tiles is the first, the lightest (a row's bits do not depend on where its tile starts: chunked
+                         CONSUMERS: gl.constexpr, REGS: gl.constexpr):
+    # grid (cdiv(max q_count, CONSUMERS * 64), Hq, sequences): the last (heaviest) query tiles first, as in
+    # flash.py. Under a causal mask CTAs are aligned to the sequence's end, so a CTA with fewer query tiles
+    # than consumers is the first, the lightest (a row's bits do not depend on where its tile starts: chunked
     # prefill relies on that too); its rows before the sequence are loaded (zeros or a neighbour's) and
     # never stored. H200: +2% causal, -1..2% without a mask (h200_probe_gluon_end_aligned_hd64_e81084f.log).
     head = gl.program_id(1)
@@ -282,13 +293,15 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
     kv_len = gl.load(info + 4)
     window = gl.load(info + 5)
     if CAUSAL:
-        first_q = q_count - (gl.program_id(0) + 1) * 3 * BLOCK_M
+        first_q = q_count - (gl.program_id(0) + 1) * CONSUMERS * BLOCK_M
     else:
-        first_q = (gl.num_programs(0) - 1 - gl.program_id(0)) * 3 * BLOCK_M
+        first_q = (gl.num_programs(0) - 1 - gl.program_id(0)) * CONSUMERS * BLOCK_M
     lo0, mid0, hi0 = _tile_blocks(q_pos0, first_q, q_count, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
     lo1, mid1, hi1 = _tile_blocks(q_pos0, first_q + BLOCK_M, q_count, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
     lo2, mid2, hi2 = _tile_blocks(q_pos0, first_q + 2 * BLOCK_M, q_count, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
-    # The ring carries the union of the three tiles' blocks (a tile without blocks adds none).
+    if CONSUMERS == 2:  # no third tile
+        lo2, mid2, hi2 = lo2 * 0, mid2 * 0, hi2 * 0
+    # The ring carries the union of the tiles' blocks (a tile without blocks adds none).
     big: gl.constexpr = 1 << 30
     glo = gl.minimum(gl.minimum(gl.where(hi0 > lo0, lo0, big), gl.where(hi1 > lo1, lo1, big)),
                      gl.where(hi2 > lo2, lo2, big))
@@ -303,10 +316,9 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
 
     q0 = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
     q1 = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
-    q2 = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
     k_bufs = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
     v_bufs = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
-    v_tails = gl.allocate_shared_memory(desc_v.dtype, [3] + desc_v.block_type.shape, desc_v.layout)
+    v_tails = gl.allocate_shared_memory(desc_v.dtype, [CONSUMERS] + desc_v.block_type.shape, desc_v.layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -314,28 +326,44 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
         mbarrier.init(q_bars.index(c), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(s), count=1)
-        mbarrier.init(kv_empty.index(s), count=3)  # each consumer releases each stage
+        mbarrier.init(kv_empty.index(s), count=CONSUMERS)  # each consumer releases each stage
     mbarrier.expect(q_bars.index(0), desc_q.block_type.nbytes)
     tma.async_copy_global_to_shared(desc_q, [q_row0 + first_q, q_col], q_bars.index(0), q0)
     mbarrier.expect(q_bars.index(1), desc_q.block_type.nbytes)
     tma.async_copy_global_to_shared(desc_q, [q_row0 + first_q + BLOCK_M, q_col], q_bars.index(1), q1)
-    mbarrier.expect(q_bars.index(2), desc_q.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_q, [q_row0 + first_q + 2 * BLOCK_M, q_col], q_bars.index(2), q2)
-    gl.warp_specialize([
-        (_consumer, (q0, q_bars.index(0), k_bufs, v_bufs, v_tails.index(0), kv_ready, kv_empty, O, LSE, T_M, T_L, T_ACC,
-                     stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count, q_pos0,
-                     first_q, kv_len, window, lo0, mid0, hi0, glo, ghi,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
-        (_consumer, (q1, q_bars.index(1), k_bufs, v_bufs, v_tails.index(1), kv_ready, kv_empty, O, LSE, T_M, T_L, T_ACC,
-                     stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count, q_pos0,
-                     first_q + BLOCK_M, kv_len, window, lo1, mid1, hi1, glo, ghi,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
-        (_consumer, (q2, q_bars.index(2), k_bufs, v_bufs, v_tails.index(2), kv_ready, kv_empty, O, LSE, T_M, T_L, T_ACC,
-                     stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count, q_pos0,
-                     first_q + 2 * BLOCK_M, kv_len, window, lo2, mid2, hi2, glo, ghi,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
-        (_producer, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col, glo, ghi, BLOCK_N, STAGES)),
-    ], [4, 4, 1], [REGS, REGS, 24])
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer, (q0, q_bars.index(0), k_bufs, v_bufs, v_tails.index(0), kv_ready, kv_empty, O, LSE, T_M, T_L,
+                         T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count,
+                         q_pos0, first_q, kv_len, window, lo0, mid0, hi0, glo, ghi,
+                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
+            (_consumer, (q1, q_bars.index(1), k_bufs, v_bufs, v_tails.index(1), kv_ready, kv_empty, O, LSE, T_M, T_L,
+                         T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count,
+                         q_pos0, first_q + BLOCK_M, kv_len, window, lo1, mid1, hi1, glo, ghi,
+                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
+            (_producer, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col, glo, ghi, BLOCK_N,
+                         STAGES)),
+        ], [4, 1], [REGS, 24])
+    else:
+        q2 = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
+        mbarrier.expect(q_bars.index(2), desc_q.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_q, [q_row0 + first_q + 2 * BLOCK_M, q_col], q_bars.index(2), q2)
+        gl.warp_specialize([
+            (_consumer, (q0, q_bars.index(0), k_bufs, v_bufs, v_tails.index(0), kv_ready, kv_empty, O, LSE, T_M, T_L,
+                         T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count,
+                         q_pos0, first_q, kv_len, window, lo0, mid0, hi0, glo, ghi,
+                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
+            (_consumer, (q1, q_bars.index(1), k_bufs, v_bufs, v_tails.index(1), kv_ready, kv_empty, O, LSE, T_M, T_L,
+                         T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count,
+                         q_pos0, first_q + BLOCK_M, kv_len, window, lo1, mid1, hi1, glo, ghi,
+                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
+            (_consumer, (q2, q_bars.index(2), k_bufs, v_bufs, v_tails.index(2), kv_ready, kv_empty, O, LSE, T_M, T_L,
+                         T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count,
+                         q_pos0, first_q + 2 * BLOCK_M, kv_len, window, lo2, mid2, hi2, glo, ghi,
+                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
+            (_producer, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col, glo, ghi, BLOCK_N,
+                         STAGES)),
+        ], [4, 4, 1], [REGS, REGS, 24])
 
 
 def routes(dtype: torch.dtype, head_dim: int, capability: tuple[int, int], triton_version: str) -> bool:
@@ -393,16 +421,17 @@ def gluon_forward(q, k, v, table, *, causal: bool, scale: float | None = None):
         return TensorDescriptor(two_d, list(two_d.shape), list(two_d.stride()), block,
                                 gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
-    grid = (triton.cdiv(max(table.max_q_count, 1), CTA_ROWS), hq, table.num_sequences)
+    stages, regs = SHAPES[CONSUMERS]
+    grid = (triton.cdiv(max(table.max_q_count, 1), CONSUMERS * BLOCK_M), hq, table.num_sequences)
     gluon_forward_kernel[grid](
         desc(q, BLOCK_M), desc(k, BLOCK_N), desc(v, BLOCK_N), out, lse, t_m, t_l, t_acc, table.info,
         out.stride(0), out.stride(1), lse.stride(0), t_acc.stride(0) if t_acc.dim() == 3 else 0,
         t_acc.stride(1) if t_acc.dim() == 3 else 0, default_scale(d, scale) * LOG2_E, hq // k.shape[1],
-        BLOCK_M, BLOCK_N, d, STAGES, causal, kv_split, CONSUMER_REGS, num_warps=4)
+        BLOCK_M, BLOCK_N, d, stages, causal, kv_split, CONSUMERS, regs, num_warps=4)
     return out, lse
 
 
-def compile_for_sm90(causal: bool, head_dim: int = 128):
+def compile_for_sm90(causal: bool, head_dim: int = 128, consumers: int | None = None):
     """The kernel compiled for sm_90a with no GPU present (the interpreter must be off: Gluon has none),
     bound through the launcher's own argument binding to stand-in tensors of a B·S = 8192, 32/8-head problem."""
     from triton import compile as triton_compile
@@ -414,6 +443,8 @@ def compile_for_sm90(causal: bool, head_dim: int = 128):
 
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
+    consumers = consumers or CONSUMERS
+    stages, regs = SHAPES[consumers]
 
     def desc(rows, heads):
         t = MockTensor("bfloat16", [8192, heads * head_dim])
@@ -426,7 +457,7 @@ def compile_for_sm90(causal: bool, head_dim: int = 128):
     args = (desc(BLOCK_M, 32), desc(BLOCK_N, 8), desc(BLOCK_N, 8), MockTensor("bfloat16", [8192, 32, head_dim]),
             f32, f32, f32, MockTensor("float32", [8192, 32, head_dim]), MockTensor("int32", [4, 6]),
             32 * head_dim, head_dim, 32, 32 * head_dim, head_dim, 0.1, 4,
-            BLOCK_M, BLOCK_N, head_dim, STAGES, causal, 2048, CONSUMER_REGS)
+            BLOCK_M, BLOCK_N, head_dim, stages, causal, 2048, consumers, regs)
     bound, specialization, options = create_function_from_signature(kernel.signature, kernel.params, backend)(
         *args, num_warps=4)
     options, signature, constexprs, attrs = kernel._pack_args(backend, {"num_warps": 4}, bound, specialization,
