@@ -34,7 +34,7 @@ def _bf16(*shape, seed=0, device="cpu"):
 
 @pytest.mark.parametrize("bad, message", [
     (dict(dtype=torch.float16), "contiguous bf16"),
-    (dict(d=64), r"head_dim \(128,\)"),
+    (dict(d=64), r"expected head_dim \(128, 256\)"),
     (dict(hkv=3), "multiple of Hkv"),
     (dict(dims=4), "rows"),
 ])
@@ -62,7 +62,7 @@ def test_flash_forward_routes_only_what_the_kernel_is_written_for():
         assert not routes(dtype, head_dim, capability, version)
 
 
-@pytest.mark.parametrize("mask, head_dim", [("causal", 128), ("full", 128)])
+@pytest.mark.parametrize("mask, head_dim", [("causal", 128), ("full", 128), ("causal", 256)])
 def test_compiles_for_the_h200(mask, head_dim):
     from rl_engine.kernels.ops.triton.sm90 import H200_SHARED_BYTES
 
@@ -73,9 +73,10 @@ def test_compiles_for_the_h200(mask, head_dim):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["target"] == ["sm_90a"] and result["cubin"] > 0
     assert result["wgmma"] > 0 and result["shared"] <= H200_SHARED_BYTES
-    from rl_engine.kernels.ops.triton.attention.gluon_forward import CONSUMERS
+    from rl_engine.kernels.ops.triton.attention.gluon_forward import SHAPES
 
-    assert result["warps"] == 4 * (CONSUMERS + 1), "the consumer warpgroups and a producer warp rounded to a warpgroup"
+    consumers = SHAPES[head_dim][0]
+    assert result["warps"] == 4 * (consumers + 1), "the consumer warpgroups and a producer warp rounded to a warpgroup"
 
 
 # (name, layout, lengths or starts, S, Hq, Hkv, causal, head_dim): each compared with flash.py on the same
@@ -87,6 +88,8 @@ GPU_CASES = [
     ("left_padded", "padded", [0, 300, 1000], 1100, 8, 8, True, 128),
     ("packed_splits", "packed", [2600, 900, 333, 1, 64, 191], None, 32, 8, True, 128),
     ("packed_full", "packed", [700, 129, 64], None, 8, 2, False, 128),
+    ("hd256_packed_splits", "packed", [2600, 900, 333, 1, 64, 191], None, 8, 2, True, 256),
+    ("hd256_batch_full", "padded", None, 576, 8, 2, False, 256),
 ]
 
 

@@ -21,8 +21,8 @@ Measured on the H200 (torch 2.11, Triton 3.6), in the form gated at cce6aed (thr
 q·kᵀ issued before this block's softmax, p·v waited at once): outputs and LSE equal to flash.py's on every
 table tried, and 420 vs 392 TFLOP/s causal, 451-461 vs 439 full at S = 4096, B = 4, 32/8 heads (cuDNN
 527 / 605; `docs/evidence/h200_probe_gluon_end_aligned_hd64_e81084f.log`). This overlapped form (branch
-next-gluon-overlap) is NOT YET RUN ON A GPU. Head_dim 64 written the gated way was 13% slower than
-flash.py, so only head_dim 128 is routed. Scope: bf16, head_dim 128, forward only.
+next-gluon-overlap) is NOT YET RUN ON A GPU, nor is head_dim 256 (flash.py's 32-key blocks, two consumers;
+not routed). Head_dim 64 written the gated way was 13% slower than flash.py. Scope: bf16, forward only.
 """
 
 from __future__ import annotations
@@ -45,12 +45,14 @@ from rl_engine.kernels.ops.triton.attention.flash import LOG2_E, NO_WINDOW, atte
 
 M_INIT = gl.constexpr(-1.0e30)
 NO_WINDOW_C = gl.constexpr(NO_WINDOW)
-BLOCK_M, BLOCK_N = 64, 64  # rows per consumer, keys per block: flash.py's bf16 forward tile
-HEAD_DIMS = (128,)  # head_dim 64: 13% slower than flash.py (h200_probe_gluon_end_aligned_hd64_e81084f.log)
-# consumer warpgroups -> (K/V ring depth, registers per consumer thread): a consumer holds block j-1 (its p·v in
-# flight) and block j (its q·kᵀ) while the producer fills the next; CONSUMERS x 128 x REGS + 128 x 24 <= 64 Ki.
-SHAPES = {2: (4, 240), 3: (3, 160)}
-CONSUMERS = 2
+BLOCK_M = 64  # rows per consumer warpgroup; keys per block are flash.py's forward BLOCK_N for the head_dim
+# head_dim -> (consumer warpgroups, K/V ring depth, registers per consumer thread): a consumer holds block j-1
+# (its p·v in flight) and block j (its q·kᵀ) while the producer fills the next; consumers x 128 x regs + 128 x 24
+# <= 64 Ki registers, and the CTA's Q tiles, ring and tail buffers fit 227 KiB. Three consumers for 128:
+# (3, 3, 160). Head_dim 64 written this way (three consumers, the gated form) was 13% slower than flash.py
+# (h200_probe_gluon_end_aligned_hd64_e81084f.log).
+SHAPES = {128: (2, 4, 240), 256: (2, 4, 240)}
+ROUTED = (128,)  # what flash_forward hands over: head_dim 256 awaits its H200 probe
 
 
 @gluon.jit
@@ -369,7 +371,7 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
 def routes(dtype: torch.dtype, head_dim: int, capability: tuple[int, int], triton_version: str) -> bool:
     """Whether flash_forward's launch goes here: what this kernel is written for (Gluon's API moves
     between Triton releases)."""
-    return (dtype == torch.bfloat16 and head_dim in HEAD_DIMS and capability == (9, 0)
+    return (dtype == torch.bfloat16 and head_dim in ROUTED and capability == (9, 0)
             and triton_version.startswith("3.6."))
 
 
@@ -392,8 +394,8 @@ def check_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                          f"{tuple(v.shape)}")
     if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in (q, k, v)):
         raise ValueError("q, k, v: expected contiguous bf16 rows")
-    if q.shape[2] not in HEAD_DIMS or k.shape[2] != q.shape[2] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"q, k: expected head_dim {HEAD_DIMS} and Hq a multiple of Hkv; got {tuple(q.shape)} and "
+    if q.shape[2] not in SHAPES or k.shape[2] != q.shape[2] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q, k: expected head_dim {tuple(SHAPES)} and Hq a multiple of Hkv; got {tuple(q.shape)} and "
                          f"{tuple(k.shape)}")
 
 
@@ -421,17 +423,18 @@ def gluon_forward(q, k, v, table, *, causal: bool, scale: float | None = None):
         return TensorDescriptor(two_d, list(two_d.shape), list(two_d.stride()), block,
                                 gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
-    stages, regs = SHAPES[CONSUMERS]
-    grid = (triton.cdiv(max(table.max_q_count, 1), CONSUMERS * BLOCK_M), hq, table.num_sequences)
+    consumers, stages, regs = SHAPES[d]
+    block_n = attention_config(q.dtype, d).forward.block_n  # flash.py's key blocks: its bits
+    grid = (triton.cdiv(max(table.max_q_count, 1), consumers * BLOCK_M), hq, table.num_sequences)
     gluon_forward_kernel[grid](
-        desc(q, BLOCK_M), desc(k, BLOCK_N), desc(v, BLOCK_N), out, lse, t_m, t_l, t_acc, table.info,
+        desc(q, BLOCK_M), desc(k, block_n), desc(v, block_n), out, lse, t_m, t_l, t_acc, table.info,
         out.stride(0), out.stride(1), lse.stride(0), t_acc.stride(0) if t_acc.dim() == 3 else 0,
         t_acc.stride(1) if t_acc.dim() == 3 else 0, default_scale(d, scale) * LOG2_E, hq // k.shape[1],
-        BLOCK_M, BLOCK_N, d, stages, causal, kv_split, CONSUMERS, regs, num_warps=4)
+        BLOCK_M, block_n, d, stages, causal, kv_split, consumers, regs, num_warps=4)
     return out, lse
 
 
-def compile_for_sm90(causal: bool, head_dim: int = 128, consumers: int | None = None):
+def compile_for_sm90(causal: bool, head_dim: int = 128):
     """The kernel compiled for sm_90a with no GPU present (the interpreter must be off: Gluon has none),
     bound through the launcher's own argument binding to stand-in tensors of a B·S = 8192, 32/8-head problem."""
     from triton import compile as triton_compile
@@ -443,8 +446,8 @@ def compile_for_sm90(causal: bool, head_dim: int = 128, consumers: int | None = 
 
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
-    consumers = consumers or CONSUMERS
-    stages, regs = SHAPES[consumers]
+    consumers, stages, regs = SHAPES[head_dim]
+    block_n = attention_config(torch.bfloat16, head_dim).forward.block_n
 
     def desc(rows, heads):
         t = MockTensor("bfloat16", [8192, heads * head_dim])
@@ -454,10 +457,10 @@ def compile_for_sm90(causal: bool, head_dim: int = 128, consumers: int | None = 
 
     kernel = gluon_forward_kernel
     f32 = MockTensor("float32", [8192, 32])
-    args = (desc(BLOCK_M, 32), desc(BLOCK_N, 8), desc(BLOCK_N, 8), MockTensor("bfloat16", [8192, 32, head_dim]),
+    args = (desc(BLOCK_M, 32), desc(block_n, 8), desc(block_n, 8), MockTensor("bfloat16", [8192, 32, head_dim]),
             f32, f32, f32, MockTensor("float32", [8192, 32, head_dim]), MockTensor("int32", [4, 6]),
             32 * head_dim, head_dim, 32, 32 * head_dim, head_dim, 0.1, 4,
-            BLOCK_M, BLOCK_N, head_dim, stages, causal, 2048, consumers, regs)
+            BLOCK_M, block_n, head_dim, stages, causal, 2048, consumers, regs)
     bound, specialization, options = create_function_from_signature(kernel.signature, kernel.params, backend)(
         *args, num_warps=4)
     options, signature, constexprs, attrs = kernel._pack_args(backend, {"num_warps": 4}, bound, specialization,
