@@ -122,3 +122,55 @@ def test_gpu_gives_the_bits_of_the_triton_forward(monkeypatch, name, layout, spe
         sl = slice(q_row0, q_row0 + q_count)
         assert torch.equal(got[sl], want[sl]), f"sequence {z}: {(got[sl] != want[sl]).float().mean().item():.2e} differ"
         assert torch.equal(got_lse[sl], want_lse[sl]), f"sequence {z}: the LSE differs"
+
+
+COMPILE_DQ = """
+import json, sys
+from rl_engine.kernels.ops.triton.attention.gluon_backward import compile_for_sm90
+k = compile_for_sm90(causal=sys.argv[1] == "causal")
+print(json.dumps({"shared": k.metadata.shared, "warps": k.metadata.num_warps,
+                  "wgmma": k.asm["ptx"].count("wgmma.mma_async")}))
+"""
+
+
+@pytest.mark.parametrize("mask", ["causal", "full"])
+def test_the_dq_kernel_compiles_for_the_h200(mask):
+    from rl_engine.kernels.ops.triton.sm90 import H200_SHARED_BYTES
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-c", COMPILE_DQ, mask], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["wgmma"] > 0 and result["shared"] <= H200_SHARED_BYTES
+    assert result["warps"] == 12, "two consumer warpgroups and a producer warp rounded up to a warpgroup"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, layout, spec, s, hq, hkv, causal, d", [c for c in GPU_CASES if c[7] == 128],
+                         ids=[c[0] for c in GPU_CASES if c[7] == 128])
+def test_gpu_dq_gives_the_bits_of_the_triton_backward(monkeypatch, name, layout, spec, s, hq, hkv, causal, d):
+    """flash_backward with the Gluon dQ (routed) against the same call with flash.py's own dQ kernel."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is written for Hopper (sm_90a)")
+    from rl_engine.kernels.ops.triton.attention import flash
+    from rl_engine.kernels.ops.triton.attention import gluon_forward as gluon_forward_module
+    from rl_engine.kernels.ops.triton.attention.attention import _packed_table, _padded_table
+
+    if layout == "padded":
+        b = 3 if spec else 2
+        table = _padded_table(_bf16(b, s, hq, d, seed=1, device="cuda"), None if spec is None else torch.tensor(spec))
+        rows = b * s
+    else:
+        rows = sum(spec)
+        table = _packed_table(rows, torch.tensor([0] + spec).cumsum(0), "cuda")
+    q, k, v, do = (_bf16(rows, h, d, seed=i, device="cuda") for i, h in enumerate((hq, hkv, hkv, hq)))
+    out, lse = flash.flash_forward(q, k, v, table, causal=causal, scale=d ** -0.5)
+    got = flash.flash_backward(do, q, k, v, out, lse, table, causal=causal, scale=d ** -0.5)
+    monkeypatch.setattr(gluon_forward_module, "covers", lambda *args: False)  # flash.py's own dQ kernel
+    want = flash.flash_backward(do, q, k, v, out, lse, table, causal=causal, scale=d ** -0.5)
+    for z, (q_row0, q_count, *_rest) in enumerate(table.info.cpu().tolist()):
+        sl = slice(q_row0, q_row0 + q_count)
+        assert torch.equal(got[0][sl], want[0][sl]), \
+            f"sequence {z}: {(got[0][sl] != want[0][sl]).float().mean().item():.2e} of dq differ"
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]), "dk, dv: the same kernel, other bits"

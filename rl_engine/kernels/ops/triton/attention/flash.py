@@ -479,11 +479,10 @@ def flash_forward(q, k, v, table: SequenceTable, *, causal: bool, scale: float, 
     # the combine kernel. The bits are the same either way (both fold the same split states in the same
     # order); only the parallelism differs.
     partial = table.max_q_count <= q_per_tile and num_splits > 1
-    if not partial and heads_per_tile == 1 and q.is_cuda and not interpreting():
-        from rl_engine.kernels.ops.triton.attention import gluon_forward as gluon  # Hopper only: imported late
+    if not partial and heads_per_tile == 1 and q.is_cuda and _gluon_covers(q, k, v):
+        from rl_engine.kernels.ops.triton.attention.gluon_forward import gluon_forward
 
-        if gluon.covers(q, k, v):  # the same bits, warp-specialised (gluon_forward.py)
-            return gluon.gluon_forward(q, k, v, table, causal=causal, scale=scale)
+        return gluon_forward(q, k, v, table, causal=causal, scale=scale)  # the same bits, warp-specialised
     if partial:
         pm = torch.empty((num_splits, rows, hq), dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
@@ -768,11 +767,16 @@ def flash_backward(do, q, k, v, out, lse, table: SequenceTable, *, causal: bool,
     c = cfg.backward_dq
     descs = row_descriptors((k, v), c.block_n)
     with side:
-        _flash_backward_dq_kernel[(triton.cdiv(max(table.max_q_count, 1), c.block_m), hq, table.num_sequences)](
-            q, k, v, *(descs or (k, v)), do, lse, delta, dq, table.info, *strides, scale * LOG2_E, scale, group,
-            head_dim, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
-            TMA=descs is not None, **common,
-        )
+        if q.is_cuda and _gluon_covers(q, k, v, do):  # warp-specialised, the same bits (gluon_backward.py)
+            from rl_engine.kernels.ops.triton.attention.gluon_backward import gluon_dq
+
+            gluon_dq(do, q, k, v, lse, delta, table, causal=causal, scale=scale, out=dq)
+        else:
+            _flash_backward_dq_kernel[(triton.cdiv(max(table.max_q_count, 1), c.block_m), hq, table.num_sequences)](
+                q, k, v, *(descs or (k, v)), do, lse, delta, dq, table.info, *strides, scale * LOG2_E, scale, group,
+                head_dim, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
+                TMA=descs is not None, **common,
+            )
     c = cfg.backward_dkdv
     descs = row_descriptors((q, do), c.block_m)
     _flash_backward_dkdv_kernel[(triton.cdiv(max(table.max_kv_len, 1), c.block_n), hkv, table.num_sequences)](
@@ -782,6 +786,16 @@ def flash_backward(do, q, k, v, out, lse, table: SequenceTable, *, causal: bool,
     )
     side.join()
     return dq, dk, dv
+
+
+def _gluon_covers(q, k, v, *more) -> bool:
+    """Whether the Gluon kernels (gluon_forward.py, gluon_backward.py: Hopper, Triton 3.6, bf16 head_dim 128)
+    take these CUDA rows; imported late, as they import Gluon."""
+    if interpreting():
+        return False
+    from rl_engine.kernels.ops.triton.attention import gluon_forward
+
+    return gluon_forward.covers(q, k, v) and all(t.data_ptr() % 16 == 0 for t in more)
 
 
 def default_scale(head_dim: int, scale: float | None) -> float:
