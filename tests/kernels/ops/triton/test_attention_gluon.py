@@ -124,22 +124,22 @@ def test_gpu_gives_the_bits_of_the_triton_forward(monkeypatch, name, layout, spe
         assert torch.equal(got_lse[sl], want_lse[sl]), f"sequence {z}: the LSE differs"
 
 
-COMPILE_DQ = """
+COMPILE_BACKWARD = """
 import json, sys
 from rl_engine.kernels.ops.triton.attention.gluon_backward import compile_for_sm90
-k = compile_for_sm90(causal=sys.argv[1] == "causal")
+k = compile_for_sm90(causal=sys.argv[1] == "causal", kernel=sys.argv[2])
 print(json.dumps({"shared": k.metadata.shared, "warps": k.metadata.num_warps,
                   "wgmma": k.asm["ptx"].count("wgmma.mma_async")}))
 """
 
 
-@pytest.mark.parametrize("mask", ["causal", "full"])
-def test_the_dq_kernel_compiles_for_the_h200(mask):
+@pytest.mark.parametrize("mask, kernel", [("causal", "dq"), ("full", "dq"), ("causal", "dkdv"), ("full", "dkdv")])
+def test_the_backward_kernels_compile_for_the_h200(mask, kernel):
     from rl_engine.kernels.ops.triton.sm90 import H200_SHARED_BYTES
 
     env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, "-c", COMPILE_DQ, mask], capture_output=True, text=True, env=env,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, "-c", COMPILE_BACKWARD, mask, kernel], capture_output=True, text=True,
+                          env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["wgmma"] > 0 and result["shared"] <= H200_SHARED_BYTES
@@ -149,8 +149,9 @@ def test_the_dq_kernel_compiles_for_the_h200(mask):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, layout, spec, s, hq, hkv, causal, d", [c for c in GPU_CASES if c[7] == 128],
                          ids=[c[0] for c in GPU_CASES if c[7] == 128])
-def test_gpu_dq_gives_the_bits_of_the_triton_backward(monkeypatch, name, layout, spec, s, hq, hkv, causal, d):
-    """flash_backward with the Gluon dQ (routed) against the same call with flash.py's own dQ kernel."""
+def test_gpu_backward_gives_the_bits_of_the_triton_backward(monkeypatch, name, layout, spec, s, hq, hkv, causal, d):
+    """flash_backward with the Gluon dQ and dK/dV kernels (routed) against the same call with flash.py's own:
+    the same tiles, blocks and group order, so the same bits are expected."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is written for Hopper (sm_90a)")
     from rl_engine.kernels.ops.triton.attention import flash
@@ -167,10 +168,10 @@ def test_gpu_dq_gives_the_bits_of_the_triton_backward(monkeypatch, name, layout,
     q, k, v, do = (_bf16(rows, h, d, seed=i, device="cuda") for i, h in enumerate((hq, hkv, hkv, hq)))
     out, lse = flash.flash_forward(q, k, v, table, causal=causal, scale=d ** -0.5)
     got = flash.flash_backward(do, q, k, v, out, lse, table, causal=causal, scale=d ** -0.5)
-    monkeypatch.setattr(gluon_forward_module, "covers", lambda *args: False)  # flash.py's own dQ kernel
+    monkeypatch.setattr(gluon_forward_module, "covers", lambda *args: False)  # flash.py's own kernels
     want = flash.flash_backward(do, q, k, v, out, lse, table, causal=causal, scale=d ** -0.5)
-    for z, (q_row0, q_count, *_rest) in enumerate(table.info.cpu().tolist()):
-        sl = slice(q_row0, q_row0 + q_count)
-        assert torch.equal(got[0][sl], want[0][sl]), \
-            f"sequence {z}: {(got[0][sl] != want[0][sl]).float().mean().item():.2e} of dq differ"
-    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]), "dk, dv: the same kernel, other bits"
+    for z, (q_row0, q_count, _q_pos0, k_row0, kv_len, _window) in enumerate(table.info.cpu().tolist()):
+        for name, i, sl in (("dq", 0, slice(q_row0, q_row0 + q_count)), ("dk", 1, slice(k_row0, k_row0 + kv_len)),
+                            ("dv", 2, slice(k_row0, k_row0 + kv_len))):
+            assert torch.equal(got[i][sl], want[i][sl]), \
+                f"sequence {z}: {(got[i][sl] != want[i][sl]).float().mean().item():.2e} of {name} differ"

@@ -479,10 +479,10 @@ def flash_forward(q, k, v, table: SequenceTable, *, causal: bool, scale: float, 
     # the combine kernel. The bits are the same either way (both fold the same split states in the same
     # order); only the parallelism differs.
     partial = table.max_q_count <= q_per_tile and num_splits > 1
-    if not partial and heads_per_tile == 1 and q.is_cuda and _gluon_covers(q, k, v):
+    if not partial and heads_per_tile == 1 and _gluon_covers(q, k, v):
         from rl_engine.kernels.ops.triton.attention.gluon_forward import gluon_forward
 
-        return gluon_forward(q, k, v, table, causal=causal, scale=scale)  # the same bits, warp-specialised
+        return gluon_forward(*_aligned(q, k, v), table, causal=causal, scale=scale)  # flash.py's bits
     if partial:
         pm = torch.empty((num_splits, rows, hq), dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
@@ -766,8 +766,11 @@ def flash_backward(do, q, k, v, out, lse, table: SequenceTable, *, causal: bool,
     side = SideStream(q.device)
     c = cfg.backward_dq
     descs = row_descriptors((k, v), c.block_n)
+    gluon = _gluon_covers(q, k, v)  # gluon_backward.py: warp-specialised
+    if gluon:
+        q, k, v, do = _aligned(q, k, v, do)
     with side:
-        if q.is_cuda and _gluon_covers(q, k, v, do):  # warp-specialised, the same bits (gluon_backward.py)
+        if gluon:  # flash.py's dQ bits
             from rl_engine.kernels.ops.triton.attention.gluon_backward import gluon_dq
 
             gluon_dq(do, q, k, v, lse, delta, table, causal=causal, scale=scale, out=dq)
@@ -779,23 +782,33 @@ def flash_backward(do, q, k, v, out, lse, table: SequenceTable, *, causal: bool,
             )
     c = cfg.backward_dkdv
     descs = row_descriptors((q, do), c.block_m)
-    _flash_backward_dkdv_kernel[(triton.cdiv(max(table.max_kv_len, 1), c.block_n), hkv, table.num_sequences)](
-        q, k, v, *(descs or (q, do)), do, lse, delta, dk, dv, table.info, *strides, scale * LOG2_E, scale, group,
-        head_dim, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
-        TMA=descs is not None, **common,
-    )
+    if gluon:  # the same tiles and order per key block, possibly other bits: the one dK/dV wherever Gluon runs
+        from rl_engine.kernels.ops.triton.attention.gluon_backward import gluon_dkdv
+
+        gluon_dkdv(do, q, k, v, lse, delta, table, causal=causal, scale=scale, out=(dk, dv))
+    else:
+        _flash_backward_dkdv_kernel[(triton.cdiv(max(table.max_kv_len, 1), c.block_n), hkv, table.num_sequences)](
+            q, k, v, *(descs or (q, do)), do, lse, delta, dk, dv, table.info, *strides, scale * LOG2_E, scale, group,
+            head_dim, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
+            TMA=descs is not None, **common,
+        )
     side.join()
     return dq, dk, dv
 
 
-def _gluon_covers(q, k, v, *more) -> bool:
+def _gluon_covers(q, k, v) -> bool:
     """Whether the Gluon kernels (gluon_forward.py, gluon_backward.py: Hopper, Triton 3.6, bf16 head_dim 128)
     take these CUDA rows; imported late, as they import Gluon."""
-    if interpreting():
+    if interpreting() or not q.is_cuda:
         return False
     from rl_engine.kernels.ops.triton.attention import gluon_forward
 
-    return gluon_forward.covers(q, k, v) and all(t.data_ptr() % 16 == 0 for t in more)
+    return gluon_forward.covers(q, k, v)
+
+
+def _aligned(*rows):
+    """The rows with 16-byte aligned bases, as TMA descriptors need them (a copy for the rare other view)."""
+    return tuple(t if t.data_ptr() % 16 == 0 else t.clone() for t in rows)
 
 
 def default_scale(head_dim: int, scale: float | None) -> float:

@@ -1,16 +1,19 @@
-"""The attention backward's dQ on Hopper in Gluon (Triton 3.6), warp-specialised as the forward is
-(gluon_forward.py): flash_backward runs it, on its side stream, for the launches the Gluon forward covers.
+"""The attention backward on Hopper in Gluon (Triton 3.6), warp-specialised as the forward is
+(gluon_forward.py): flash_backward runs these for bf16 head_dim 128 on sm_90 (dQ on its side stream).
 
-Per CTA: two 64-row query tiles of one sequence and head (Q and dO in shared memory), each on its own
-consumer warpgroup, and the forward's 1-warp producer streaming the union of their K/V blocks (64 keys) into
-a ring by TMA. A consumer issues block j's s = q·kᵀ and dp = dO·vᵀ together with block j-1's dq += ds·k,
-and forms block j's ds while that runs. Per row it is flash.py's `_dq_block`, block after block in the same
-order (p = exp2(fma(s, scale·log2 e, -lse)), ds = p·(dp - delta) rounded to bf16, dq accumulated in fp32,
-scaled once at the end), so dq should get the Triton kernel's bits; invisible pairs' ds are zeroed with
-`where` (not only p), so a NaN in a neighbour's V rows cannot leak in. Keys past kv_len: the tile's last K
-block is copied into the consumer's own buffer with those rows zeroed (TMA zero-fills only at the tensor's
-edge). NOT YET RUN ON A GPU: `tests/kernels/ops/triton/test_attention_gluon.py`'s gpu tests are the check.
-Scope: bf16, head_dim 128.
+dQ: per CTA two 64-row query tiles of one sequence and head (Q and dO in shared memory), each on its own
+consumer warpgroup, and the forward's 1-warp producer streaming the union of their K/V blocks (64 keys) by
+TMA. A consumer issues block j's s = q·kᵀ and dp = dO·vᵀ together with block j-1's dq += ds·k, and forms block
+j's ds while that runs. Per row it is flash.py's `_dq_block`, block after block in the same order.
+
+dK/dV: per CTA two 64-key tiles of one sequence and KV head (K and V in shared memory), one per consumer, and a
+producer streaming Q and dO blocks of 32 queries for each head of the group in order. Per block it is flash.py's
+`_dkdv_block` (sᵀ = k·qᵀ and dpᵀ = v·dOᵀ, then dv += pᵀ·dO and dk += dsᵀ·q), over flash.py's query ranges.
+
+Both keep flash.py's tiles, block order and group order (the Triton kernels' bits are expected: the gpu tests
+check it). Invisible pairs' ds are zeroed with `where` (not only p), and operands past a sequence's end are
+zeroed in a consumer's own copy (the dQ tile's last K block; the dK/dV masked Q and dO blocks), as TMA
+zero-fills only at the tensor's edge: a neighbour's NaN cannot leak in. NOT YET RUN ON A GPU.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from rl_engine.kernels.ops.triton.attention.flash import LOG2_E, attention_config
+from rl_engine.kernels.ops.triton.attention.flash import LOG2_E, NO_WINDOW, attention_config
 from rl_engine.kernels.ops.triton.attention.gluon_forward import (
     BLOCK_M,
     _drain,
@@ -37,6 +40,10 @@ from rl_engine.kernels.ops.triton.attention.gluon_forward import (
 )
 
 CONSUMERS, STAGES, REGS = 2, 4, 240  # a consumer holds block j-1 (its dq product in flight) and block j
+# dK/dV: 32-query blocks, flash.py's dK/dV tile (64-query blocks: 2 KB of spills a thread, sm_90a compile);
+# two 64-key tiles (K, V), a 4-deep (Q, dO) ring and each consumer's zeroed tail copies: 160 KiB.
+DKDV_BLOCK_Q, DKDV_STAGES = 32, 4
+NO_WINDOW_C = gl.constexpr(NO_WINDOW)
 
 
 @gluon.jit
@@ -210,6 +217,220 @@ def gluon_dq_kernel(desc_q, desc_do, desc_k, desc_v, DQ, LSE, DELTA, SEQ_INFO,
     ], [4, 1], [REGS, 24])
 
 
+@gluon.jit
+def _qdo_producer(desc_q, desc_do, q_bufs, do_bufs, ready, empty, q_row0, kv_head, group, glo, ghi,
+                  BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """Streams the query blocks [glo, ghi) of each head of the group, in order, Q and dO into the ring."""
+    nb = ghi - glo
+    for g in range(0, group):
+        col = (kv_head * group + g) * HEAD_DIM
+        for m in range(glo, ghi):
+            t = g * nb + m - glo
+            st = t % STAGES
+            mbarrier.wait(empty.index(st), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+            mbarrier.expect(ready.index(st), desc_q.block_type.nbytes + desc_do.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc_q, [q_row0 + m * BLOCK_M, col], ready.index(st), q_bufs.index(st))
+            tma.async_copy_global_to_shared(desc_do, [q_row0 + m * BLOCK_M, col], ready.index(st), do_bufs.index(st))
+
+
+@gluon.jit
+def _dkdv_block(k_smem, v_smem, q_smem, do_smem, dk, dv, LSE, DELTA, q_row0, q_pos0, q_count, head, m, start_n,
+                kv_len, window, stride_lr, qk_scale, s_zero,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """flash.py's `_dkdv_block` for query block m: dV += Pᵀ·dO and dK += dSᵀ·Q, sᵀ = K·Qᵀ and dpᵀ = V·dOᵀ
+    issued together. MASKED: causal, window, kv_len and q_count by `where` on p and ds (a block with rows
+    past q_count comes here with those Q and dO rows zeroed by the caller)."""
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    q_idx = m * BLOCK_M + gl.arange(0, BLOCK_M, col_s)
+    l_off = (q_row0 + q_idx).to(gl.int64) * stride_lr + head
+    rows_ok = q_idx < q_count
+    lse = gl.load(LSE + l_off, mask=rows_ok, other=0.0)
+    delta = gl.load(DELTA + l_off, mask=rows_ok, other=0.0)
+    s_t = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dp_t = warpgroup_mma(v_smem, do_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
+    p_t = gl.exp2(gl.fma(s_t, qk_scale, -gl.expand_dims(lse, 0)))
+    ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+    if MASKED:
+        k_pos = start_n + gl.arange(0, BLOCK_N, gl.SliceLayout(1, s_layout))
+        q_pos = q_pos0 + q_idx
+        visible = (gl.expand_dims(k_pos < kv_len, 1) & gl.expand_dims(rows_ok, 0)
+                   & (gl.expand_dims(k_pos, 1) > gl.expand_dims(q_pos - window, 0)))
+        if CAUSAL:
+            visible = visible & (gl.expand_dims(k_pos, 1) <= gl.expand_dims(q_pos, 0))
+        p_t = gl.where(visible, p_t, 0.0)
+        ds_t = gl.where(visible, ds_t, 0.0)
+    p_op = gl.convert_layout(p_t.to(gl.bfloat16), p_layout, assert_trivial=True)
+    ds_op = gl.convert_layout(ds_t.to(gl.bfloat16), p_layout, assert_trivial=True)
+    dv = warpgroup_mma(p_op, do_smem, dv, is_async=True)
+    dk = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
+    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+    return dk, dv
+
+
+@gluon.jit
+def _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, q_tail, do_tail, ready, empty, dk, dv, LSE, DELTA, q_row0, q_pos0,
+               q_count, head, first, last, t0, start_n, kv_len, window, stride_lr, qk_scale, s_zero,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
+               CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Query blocks [first, last) of one head, ring slots t0 + m. A masked block is copied into the
+    consumer's own buffers with its rows past q_count zeroed (a neighbour's rows could hold anything, and
+    0·NaN is NaN); masked blocks are the diagonal's and the last, so the copies are few."""
+    chunk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 8 rows x 128: 4 registers a thread
+    for m in range(first, last):
+        t = t0 + m
+        st = t % STAGES
+        mbarrier.wait(ready.index(st), (t // STAGES) & 1)
+        if MASKED:  # the diagonal and the last block: few, so always through the zeroed copy
+            for r in gl.static_range(0, BLOCK_M, 8):  # in 8-row pieces: a whole block would cost 32 registers
+                rows = m * BLOCK_M + r + gl.arange(0, 8, gl.SliceLayout(1, chunk))
+                keep = gl.expand_dims(rows < q_count, 1)
+                q_tail.slice(r, 8).store(gl.where(keep, q_bufs.index(st).slice(r, 8).load(chunk), 0.0))
+                do_tail.slice(r, 8).store(gl.where(keep, do_bufs.index(st).slice(r, 8).load(chunk), 0.0))
+            fence_async_shared()
+            dk, dv = _dkdv_block(k_smem, v_smem, q_tail, do_tail, dk, dv, LSE, DELTA, q_row0, q_pos0, q_count, head,
+                                 m, start_n, kv_len, window, stride_lr, qk_scale, s_zero, BLOCK_M, BLOCK_N, True,
+                                 CAUSAL, s_layout, o_layout)
+        else:
+            dk, dv = _dkdv_block(k_smem, v_smem, q_bufs.index(st), do_bufs.index(st), dk, dv, LSE, DELTA, q_row0,
+                                 q_pos0, q_count, head, m, start_n, kv_len, window, stride_lr, qk_scale, s_zero,
+                                 BLOCK_M, BLOCK_N, False, CAUSAL, s_layout, o_layout)
+        mbarrier.arrive(empty.index(st), count=1)
+    return dk, dv
+
+
+@gluon.jit
+def _dkdv_consumer(k_smem, v_smem, kv_bar, q_bufs, do_bufs, q_tail, do_tail, ready, empty, DK, DV, LSE, DELTA,
+                   stride_kr, stride_kh, stride_lr, qk_scale, scale, kv_head, group, q_row0, q_count, q_pos0,
+                   k_row0, kv_len, window, start_n, lo_b, mid_b, full_b, hi_b, glo, ghi,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr):
+    """dK, dV of one 64-key tile on one warpgroup: for each head of the group in order, query blocks
+    [lo_b, mid_b) masked, [mid_b, full_b) unmasked, [full_b, hi_b) masked (flash.py's ranges); the other
+    blocks of the CTA's ring drained."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    mbarrier.wait(kv_bar, 0)  # also for a tile without work: no copy may be in flight when the CTA exits
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, o_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, o_layout)
+    nb = ghi - glo
+    for g in range(0, group):  # the group's query heads, summed in a fixed order (no atomics)
+        head = kv_head * group + g
+        t0 = g * nb - glo
+        _drain(ready, empty, glo, lo_b, glo - g * nb, STAGES)
+        dk, dv = _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, q_tail, do_tail, ready, empty, dk, dv, LSE, DELTA, q_row0,
+                            q_pos0, q_count, head, lo_b, mid_b, t0, start_n, kv_len, window, stride_lr, qk_scale,
+                            s_zero, BLOCK_M, BLOCK_N, STAGES, True, CAUSAL, s_layout, o_layout)
+        dk, dv = _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, q_tail, do_tail, ready, empty, dk, dv, LSE, DELTA, q_row0,
+                            q_pos0, q_count, head, mid_b, full_b, t0, start_n, kv_len, window, stride_lr, qk_scale,
+                            s_zero, BLOCK_M, BLOCK_N, STAGES, False, CAUSAL, s_layout, o_layout)
+        dk, dv = _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, q_tail, do_tail, ready, empty, dk, dv, LSE, DELTA, q_row0,
+                            q_pos0, q_count, head, full_b, hi_b, t0, start_n, kv_len, window, stride_lr, qk_scale,
+                            s_zero, BLOCK_M, BLOCK_N, STAGES, True, CAUSAL, s_layout, o_layout)
+        _drain(ready, empty, hi_b, ghi, glo - g * nb, STAGES)
+    k_idx = start_n + gl.arange(0, BLOCK_N, row_o)
+    d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
+    off = gl.expand_dims((k_row0 + k_idx).to(gl.int64) * stride_kr + kv_head * stride_kh, 1) + gl.expand_dims(d, 0)
+    keep = gl.expand_dims(k_idx < kv_len, 1)
+    gl.store(DK + off, (dk * scale).to(gl.bfloat16), mask=keep)
+    gl.store(DV + off, dv.to(gl.bfloat16), mask=keep)
+
+
+@gluon.jit
+def _dkdv_ranges(start_n, q_pos0, q_count, kv_len, window, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr):
+    """flash.py's dK/dV query ranges for the key block at start_n, in blocks of BLOCK_M queries counted from
+    the sequence's first: [lo_b, mid_b) masked, [mid_b, full_b) unmasked, [full_b, hi_b) masked."""
+    lo = 0
+    if CAUSAL:
+        lo = (gl.maximum(start_n - q_pos0, 0) // BLOCK_M) * BLOCK_M
+    hi = gl.where(start_n < kv_len, q_count, 0)
+    hi = gl.minimum(hi, start_n + BLOCK_N - 1 + window - q_pos0)  # the window's last query
+    mid = lo
+    if CAUSAL:
+        mid = gl.maximum(lo, lo + gl.cdiv(start_n + BLOCK_N - 1 - q_pos0 - lo, BLOCK_M) * BLOCK_M)
+    full = gl.where(window == NO_WINDOW_C, gl.maximum(q_count // BLOCK_M * BLOCK_M, mid), mid)
+    lo_b = lo // BLOCK_M
+    hi_b = gl.maximum(gl.cdiv(gl.maximum(hi, 0), BLOCK_M), lo_b)
+    mid_b = gl.minimum(mid // BLOCK_M, hi_b)
+    full_b = gl.minimum(gl.maximum(full // BLOCK_M, mid_b), hi_b)
+    return lo_b, mid_b, full_b, hi_b
+
+
+@gluon.jit
+def gluon_dkdv_kernel(desc_q, desc_do, desc_k, desc_v, DK, DV, LSE, DELTA, SEQ_INFO,
+                      stride_kr, stride_kh, stride_lr, qk_scale, scale, group,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                      CAUSAL: gl.constexpr, REGS: gl.constexpr):
+    # grid (cdiv(max kv_len, 128), Hkv, sequences): under a causal mask the first key blocks do the most work.
+    kv_head = gl.program_id(1)
+    info = SEQ_INFO + gl.program_id(2) * 6
+    q_row0 = gl.load(info + 0)
+    q_count = gl.load(info + 1)
+    q_pos0 = gl.load(info + 2)
+    k_row0 = gl.load(info + 3)
+    kv_len = gl.load(info + 4)
+    window = gl.load(info + 5)
+    start_n = gl.program_id(0) * 2 * BLOCK_N
+    lo0, mid0, full0, hi0 = _dkdv_ranges(start_n, q_pos0, q_count, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
+    lo1, mid1, full1, hi1 = _dkdv_ranges(start_n + BLOCK_N, q_pos0, q_count, kv_len, window, CAUSAL, BLOCK_M,
+                                         BLOCK_N)
+    big: gl.constexpr = 1 << 30
+    glo = gl.minimum(gl.where(hi0 > lo0, lo0, big), gl.where(hi1 > lo1, lo1, big))
+    ghi = gl.maximum(hi0, hi1)
+    glo = gl.minimum(glo, ghi)
+    # A tile without query blocks drains the whole ring.
+    e0 = hi0 > lo0
+    lo0, mid0, full0, hi0 = (gl.where(e0, lo0, glo), gl.where(e0, mid0, glo), gl.where(e0, full0, glo),
+                             gl.where(e0, hi0, glo))
+    e1 = hi1 > lo1
+    lo1, mid1, full1, hi1 = (gl.where(e1, lo1, glo), gl.where(e1, mid1, glo), gl.where(e1, full1, glo),
+                             gl.where(e1, hi1, glo))
+    kv_col = kv_head * HEAD_DIM
+
+    k0 = gl.allocate_shared_memory(desc_k.dtype, desc_k.block_type.shape, desc_k.layout)
+    k1 = gl.allocate_shared_memory(desc_k.dtype, desc_k.block_type.shape, desc_k.layout)
+    v0 = gl.allocate_shared_memory(desc_v.dtype, desc_v.block_type.shape, desc_v.layout)
+    v1 = gl.allocate_shared_memory(desc_v.dtype, desc_v.block_type.shape, desc_v.layout)
+    q_bufs = gl.allocate_shared_memory(desc_q.dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
+    do_bufs = gl.allocate_shared_memory(desc_do.dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
+    q_tails = gl.allocate_shared_memory(desc_q.dtype, [2] + desc_q.block_type.shape, desc_q.layout)
+    do_tails = gl.allocate_shared_memory(desc_do.dtype, [2] + desc_do.block_type.shape, desc_do.layout)
+    kv_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(2):
+        mbarrier.init(kv_bars.index(c), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # each consumer releases each stage
+    nbytes: gl.constexpr = desc_k.block_type.nbytes + desc_v.block_type.nbytes
+    mbarrier.expect(kv_bars.index(0), nbytes)
+    tma.async_copy_global_to_shared(desc_k, [k_row0 + start_n, kv_col], kv_bars.index(0), k0)
+    tma.async_copy_global_to_shared(desc_v, [k_row0 + start_n, kv_col], kv_bars.index(0), v0)
+    mbarrier.expect(kv_bars.index(1), nbytes)
+    tma.async_copy_global_to_shared(desc_k, [k_row0 + start_n + BLOCK_N, kv_col], kv_bars.index(1), k1)
+    tma.async_copy_global_to_shared(desc_v, [k_row0 + start_n + BLOCK_N, kv_col], kv_bars.index(1), v1)
+    gl.warp_specialize([
+        (_dkdv_consumer, (k0, v0, kv_bars.index(0), q_bufs, do_bufs, q_tails.index(0), do_tails.index(0), ready,
+                          empty, DK, DV, LSE, DELTA, stride_kr, stride_kh, stride_lr, qk_scale, scale, kv_head, group,
+                          q_row0, q_count, q_pos0, k_row0, kv_len, window, start_n, lo0, mid0, full0, hi0, glo, ghi,
+                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+        (_dkdv_consumer, (k1, v1, kv_bars.index(1), q_bufs, do_bufs, q_tails.index(1), do_tails.index(1), ready,
+                          empty, DK, DV, LSE, DELTA, stride_kr, stride_kh, stride_lr, qk_scale, scale, kv_head, group,
+                          q_row0, q_count, q_pos0, k_row0, kv_len, window, start_n + BLOCK_N, lo1, mid1, full1, hi1,
+                          glo, ghi, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+        (_qdo_producer, (desc_q, desc_do, q_bufs, do_bufs, ready, empty, q_row0, kv_head, group, glo, ghi, BLOCK_M,
+                         HEAD_DIM, STAGES)),
+    ], [4, 1], [REGS, 24])
+
+
 def _descriptor(x, block_rows):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -239,8 +460,26 @@ def gluon_dq(do, q, k, v, lse, delta, table, *, causal: bool, scale: float, out=
     return dq
 
 
-def compile_for_sm90(causal: bool, head_dim: int = 128):
-    """The kernel compiled for sm_90a with no GPU present, bound to stand-ins of a B·S = 8192, 32/8-head problem."""
+def gluon_dkdv(do, q, k, v, lse, delta, table, *, causal: bool, scale: float, out=None):
+    """flash.py's dK/dV kernel's contract (the arguments of `gluon_dq`) -> (dk, dv) [Rk,Hkv,D], written into
+    `out` = (dk, dv) when given; rows no sequence covers are left as they were."""
+    check_rows(q, k, v)
+    rows, hq, d = q.shape
+    dk, dv = (torch.empty_like(k), torch.empty_like(v)) if out is None else out
+    if table.num_sequences == 0 or rows == 0:
+        return dk, dv
+    hkv = k.shape[1]
+    grid = (triton.cdiv(max(table.max_kv_len, 1), 2 * BLOCK_M), hkv, table.num_sequences)
+    gluon_dkdv_kernel[grid](
+        _descriptor(q, DKDV_BLOCK_Q), _descriptor(do, DKDV_BLOCK_Q), _descriptor(k, BLOCK_M), _descriptor(v, BLOCK_M),
+        dk, dv, lse, delta, table.info, dk.stride(0), dk.stride(1), lse.stride(0), scale * LOG2_E, scale, hq // hkv,
+        DKDV_BLOCK_Q, BLOCK_M, d, DKDV_STAGES, causal, REGS, num_warps=4)
+    return dk, dv
+
+
+def compile_for_sm90(causal: bool, kernel: str = "dq"):
+    """A kernel ("dq" or "dkdv") compiled for sm_90a with no GPU present, bound to stand-ins of a B·S = 8192,
+    32/8-head problem, head_dim 128."""
     from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -250,6 +489,7 @@ def compile_for_sm90(causal: bool, head_dim: int = 128):
 
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
+    head_dim = 128
     block_n = attention_config(torch.bfloat16, head_dim).backward_dq.block_n
 
     def desc(rows, heads):
@@ -258,14 +498,19 @@ def compile_for_sm90(causal: bool, head_dim: int = 128):
         return TensorDescriptor(t, [8192, heads * head_dim], [heads * head_dim, 1], block,
                                 gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
-    kernel = gluon_dq_kernel
     f32 = MockTensor("float32", [8192, 32])
-    args = (desc(BLOCK_M, 32), desc(BLOCK_M, 32), desc(block_n, 8), desc(block_n, 8),
-            MockTensor("bfloat16", [8192, 32, head_dim]), f32, f32, MockTensor("int32", [4, 6]),
-            32 * head_dim, head_dim, 32, 0.1, 0.1, 4, BLOCK_M, block_n, head_dim, STAGES, causal, REGS)
-    bound, specialization, options = create_function_from_signature(kernel.signature, kernel.params, backend)(
+    rows = MockTensor("bfloat16", [8192, 32, head_dim])
+    info = MockTensor("int32", [4, 6])
+    if kernel == "dq":
+        fn = gluon_dq_kernel
+        args = (desc(BLOCK_M, 32), desc(BLOCK_M, 32), desc(block_n, 8), desc(block_n, 8), rows, f32, f32, info,
+                32 * head_dim, head_dim, 32, 0.1, 0.1, 4, BLOCK_M, block_n, head_dim, STAGES, causal, REGS)
+    else:
+        fn = gluon_dkdv_kernel
+        args = (desc(DKDV_BLOCK_Q, 32), desc(DKDV_BLOCK_Q, 32), desc(BLOCK_M, 8), desc(BLOCK_M, 8), rows, rows, f32,
+                f32, info,
+                8 * head_dim, head_dim, 32, 0.1, 0.1, 4, DKDV_BLOCK_Q, BLOCK_M, head_dim, DKDV_STAGES, causal, REGS)
+    bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(
         *args, num_warps=4)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, {"num_warps": 4}, bound, specialization,
-                                                              options)
-    return triton_compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target,
-                          options=options.__dict__)
+    options, signature, constexprs, attrs = fn._pack_args(backend, {"num_warps": 4}, bound, specialization, options)
+    return triton_compile(GluonASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
