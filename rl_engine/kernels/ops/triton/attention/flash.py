@@ -766,7 +766,7 @@ def flash_backward(do, q, k, v, out, lse, table: SequenceTable, *, causal: bool,
     side = SideStream(q.device)
     c = cfg.backward_dq
     descs = row_descriptors((k, v), c.block_n)
-    gluon = _gluon_covers(q, k, v)  # gluon_backward.py: warp-specialised
+    gluon = _gluon_covers(q, k, v) and head_dim == 128  # gluon_backward.py (written for 128): warp-specialised
     if gluon:
         q, k, v, do = _aligned(q, k, v, do)
     with side:
