@@ -327,6 +327,12 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
     lo2, mid2, hi2 = gl.where(hi2 > lo2, lo2, glo), gl.where(hi2 > lo2, mid2, glo), gl.where(hi2 > lo2, hi2, glo)
     steps0 = gl.maximum(hi0 - lo0 - 1, 0)  # the consumers' step counts (_step: every block but the first)
     steps1 = gl.maximum(hi1 - lo1 - 1, 0)
+    # Ping-pong's turns cannot deadlock the ring while the second tile starts 0 or 1 block after the first
+    # (adjacent 64-row tiles always do; tests/kernels/ops/triton/test_gluon_protocol.py models it): otherwise
+    # no turns are taken.
+    turns_ok = (lo1 - lo0 >= 0) & (lo1 - lo0 <= 1)
+    steps0 = gl.where(turns_ok, steps0, 0)
+    steps1 = gl.where(turns_ok, steps1, 0)
     q_col = head * HEAD_DIM
     kv_col = (head // group) * HEAD_DIM
 
