@@ -46,14 +46,13 @@ from rl_engine.kernels.ops.triton.attention.flash import LOG2_E, NO_WINDOW, atte
 M_INIT = gl.constexpr(-1.0e30)
 NO_WINDOW_C = gl.constexpr(NO_WINDOW)
 BLOCK_M = 64  # rows per consumer warpgroup; keys per block are flash.py's forward BLOCK_N for the head_dim
-# head_dim -> (consumer warpgroups, K/V ring depth, registers per consumer thread, ping-pong of the two consumers'
-# MMA issue as in FA3): a consumer holds block j-1
-# (its p·v in flight) and block j (its q·kᵀ) while the producer fills the next; consumers x 128 x regs + 128 x 24
-# <= 64 Ki registers, and the CTA's Q tiles, ring and tail buffers fit 227 KiB. Three consumers for 128:
-# (3, 3, 160). Head_dim 64 written this way (three consumers, the gated form) was 13% slower than flash.py
-# (h200_probe_gluon_end_aligned_hd64_e81084f.log).
-SHAPES = {128: (2, 4, 240, False), 256: (2, 4, 240, False)}
-ROUTED = (128,)  # what flash_forward hands over: head_dim 256 awaits its H200 probe
+# head_dim -> (consumer warpgroups, K/V ring depth, registers per consumer thread, FA3's ping-pong of two
+# consumers' MMA issue). A consumer holds block j-1 (its p·v in flight) and block j (its q·kᵀ) while the producer
+# fills the next; consumers x 128 x regs + 128 x 24 <= 64 Ki registers, and the CTA's Q tiles, ring and tail
+# buffers fit 227 KiB. Head_dim 64 in the gated (non-overlapped) form was 13% slower than flash.py
+# (h200_probe_gluon_end_aligned_hd64_e81084f.log): this form awaits its probe, like 256.
+SHAPES = {64: (3, 4, 160, False), 128: (2, 4, 240, False), 256: (2, 4, 240, False)}
+ROUTED = (128,)  # what flash_forward hands over: 64 and 256 await their H200 probe
 
 
 @gluon.jit
