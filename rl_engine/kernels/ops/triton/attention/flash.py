@@ -782,7 +782,7 @@ def flash_backward(do, q, k, v, out, lse, table: SequenceTable, *, causal: bool,
             )
     c = cfg.backward_dkdv
     descs = row_descriptors((q, do), c.block_m)
-    if gluon:  # the same tiles and order per key block, possibly other bits: the one dK/dV wherever Gluon runs
+    if gluon:  # flash.py's tiles and order per key block: its dK/dV bits (equal on the H200)
         from rl_engine.kernels.ops.triton.attention.gluon_backward import gluon_dkdv
 
         gluon_dkdv(do, q, k, v, lse, delta, table, causal=causal, scale=scale, out=(dk, dv))
@@ -797,8 +797,8 @@ def flash_backward(do, q, k, v, out, lse, table: SequenceTable, *, causal: bool,
 
 
 def _gluon_covers(q, k, v) -> bool:
-    """Whether the Gluon kernels (gluon_forward.py, gluon_backward.py: Hopper, Triton 3.6, bf16 head_dim 128)
-    take these CUDA rows; imported late, as they import Gluon."""
+    """Whether the Gluon kernels (Hopper, Triton 3.6, bf16; gluon_forward.py head_dim 128 and 256,
+    gluon_backward.py 128) take these CUDA rows; imported late, as they import Gluon."""
     if interpreting() or not q.is_cuda:
         return False
     from rl_engine.kernels.ops.triton.attention import gluon_forward

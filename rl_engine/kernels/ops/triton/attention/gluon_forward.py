@@ -2,12 +2,12 @@
 flash.py's kernel cannot express. flash_forward hands it the launches it covers (`covers`): whole query
 tiles (not decode's split programs), one query head per tile, bf16, head_dim 128, on sm_90 with Triton 3.6.
 
-Per CTA: two (or three) 64-row query tiles of one sequence and head, each on its own consumer warpgroup, and a
-1-warp producer that streams the union of their K/V blocks (64 keys) into a ring of shared buffers by TMA.
-A consumer issues block j's q·kᵀ and block j-1's p·v together and runs block j's softmax while p·v is in
-flight (FA3's intra-warpgroup overlap; p goes to the tensor cores straight from registers), so its own
-MMAs overlap its softmax and the other warpgroups' MMAs fill the gaps. The per-row arithmetic is flash.py's
-instruction for instruction and in flash.py's order (64-key blocks from the sequence's first key, exp2 of an
+Per CTA: three (head_dim 128) or two (256) 64-row query tiles of one sequence and head, each on its own
+consumer warpgroup, and a 1-warp producer that streams the union of their K/V blocks into a ring of shared
+buffers by TMA. A consumer issues block j's q·kᵀ and block j-1's p·v together and runs block j's softmax while
+p·v is in flight (FA3's intra-warpgroup overlap; p goes to the tensor cores straight from registers), so its
+own MMAs overlap its softmax and the other warpgroups' MMAs fill the gaps. The per-row arithmetic is flash.py's
+instruction for instruction and in flash.py's order (its key blocks from the sequence's first key, exp2 of an
 explicit fma, p rounded to bf16 before its row sum and its product, masks by `where`, acc += p·v then
 acc *= alpha, the KV-split folds with the same fmas, the same accumulator layouts), so every row gets
 flash.py's bits and the decode, packed and chunked paths need not move.
@@ -17,12 +17,11 @@ consumer copies a tail block into its own buffer), drains the ring for tiles wit
 and folds KV splits as flash.py does (the running fold of a tile that spans splits lives in an fp32
 workspace: a second accumulator does not fit three warpgroups' registers).
 
-Measured on the H200 (torch 2.11, Triton 3.6), in the form gated at cce6aed (three consumers, the next block's
-q·kᵀ issued before this block's softmax, p·v waited at once): outputs and LSE equal to flash.py's on every
-table tried, and 420 vs 392 TFLOP/s causal, 451-461 vs 439 full at S = 4096, B = 4, 32/8 heads (cuDNN
-527 / 605; `docs/evidence/h200_probe_gluon_end_aligned_hd64_e81084f.log`). This overlapped form (branch
-next-gluon-overlap) is NOT YET RUN ON A GPU, nor is head_dim 256 (flash.py's 32-key blocks, two consumers;
-not routed). Head_dim 64 written the gated way was 13% slower than flash.py. Scope: bf16, forward only.
+Measured on the H200 (torch 2.11, Triton 3.6; B·S = 16k, 32/8 heads, causal, ABBA medians,
+docs/evidence/h200_probe_gluon_all_60e5608.log): outputs and LSE equal to flash.py's on every table tried; head_dim
+128: 374 / 416 / 439 TFLOP/s at S = 2k / 4k / 8k (flash.py 338 / 378 / 406; the previous Gluon form, which issued
+the next block's q·kᵀ before the softmax, 385 / 422 / 436: within 3%, one kernel for both head_dims kept);
+head_dim 256: 373 / 422 TFLOP/s at S = 2k / 8k vs flash.py's 297 / 364. Scope: bf16, forward only.
 """
 
 from __future__ import annotations
@@ -46,13 +45,13 @@ from rl_engine.kernels.ops.triton.attention.flash import LOG2_E, NO_WINDOW, atte
 M_INIT = gl.constexpr(-1.0e30)
 NO_WINDOW_C = gl.constexpr(NO_WINDOW)
 BLOCK_M = 64  # rows per consumer warpgroup; keys per block are flash.py's forward BLOCK_N for the head_dim
-# head_dim -> (consumer warpgroups, K/V ring depth, registers per consumer thread, FA3's ping-pong of two
-# consumers' MMA issue). A consumer holds block j-1 (its p·v in flight) and block j (its q·kᵀ) while the producer
-# fills the next; consumers x 128 x regs + 128 x 24 <= 64 Ki registers, and the CTA's Q tiles, ring and tail
-# buffers fit 227 KiB. Head_dim 64 in the gated (non-overlapped) form was 13% slower than flash.py
-# (h200_probe_gluon_end_aligned_hd64_e81084f.log): this form awaits its probe, like 256.
-SHAPES = {64: (3, 4, 160, False), 128: (2, 4, 240, False), 256: (2, 4, 240, False)}
-ROUTED = (128,)  # what flash_forward hands over: 64 and 256 await their H200 probe
+# head_dim -> (consumer warpgroups, K/V ring depth, registers per consumer thread). A consumer holds block j-1 (its
+# p·v in flight) and block j (its q·kᵀ) while the producer fills the next; consumers x 128 x regs + 128 x 24 <=
+# 64 Ki registers, and the CTA's Q tiles, ring and tail buffers fit 227 KiB. Chosen on the H200
+# (h200_probe_gluon_all_60e5608.log): at head_dim 128 three consumers beat two (the 4-deep ring, 240 registers: 8-10%
+# slower) and FA3's ping-pong of two consumers' MMA issue gained nothing (deleted); ring depth 2 / 3 / 4 within 2%.
+# Head_dim 64 (any of those forms) stayed 10-13% slower than flash.py's kernel: left to flash.py.
+SHAPES = {128: (3, 3, 160), 256: (2, 4, 240)}
 
 
 @gluon.jit
@@ -135,29 +134,20 @@ def _fold(T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, has_t,
 @gluon.jit
 def _step(p_prev, m, l, acc, has_t, j, q_smem, k_bufs, v_bufs, kv_ready, kv_empty, T_M, T_L, t_ptr, rows_s,
           rows_ok_s, rows_ok_o, head, stride_lr, q_pos, k_base, kv_len, window, qk_scale, s_zero, glo,
-          turns, k, n_other, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_SPLIT: gl.constexpr,
-          MASKED: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-          ME: gl.constexpr, PINGPONG: gl.constexpr):
+          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_SPLIT: gl.constexpr, MASKED: gl.constexpr,
+          CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Key block j (not the tile's first): its q·kᵀ and block j-1's p·v issued together, block j's softmax
     run while p·v is in flight (FA3's intra-warpgroup overlap), then acc rescaled. The operations on a row
     are flash.py's in flash.py's order: acc += p_{j-1}·v_{j-1}, then acc *= alpha_j. When block j-1 ended a
-    split, block j's softmax starts from a fresh state and the finished split is folded into T_M/T_L/T_ACC.
-    PINGPONG (two consumers): step k's MMAs are issued after the other consumer's step k-1 (consumer 0) or k
-    (consumer 1) issued theirs, while the other has steps left (`n_other`), so one warpgroup's softmax runs
-    under the other's MMAs (FA3's ping-pong)."""
+    split, block j's softmax starts from a fresh state and the finished split is folded into T_M/T_L/T_ACC."""
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     t = j - glo
     s = t % STAGES
     prv = (t - 1) % STAGES
     mbarrier.wait(kv_ready.index(s), (t // STAGES) & 1)
-    if PINGPONG:
-        w = k + ME - 1  # this consumer's wait count: the other's arrivals come one per step
-        mbarrier.wait(turns.index(ME), w & 1, pred=(w >= 0) & (k + ME <= n_other))
     qk = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     acc = warpgroup_mma(p_prev, v_bufs.index(prv), acc, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(turns.index(1 - ME), count=1)
     qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
     fresh = ((j * BLOCK_N) % KV_SPLIT) == 0
     m_in = gl.where(fresh, gl.full(m.shape, M_INIT, gl.float32, row_s), m)
@@ -181,9 +171,9 @@ def _step(p_prev, m, l, acc, has_t, j, q_smem, k_bufs, v_bufs, kv_ready, kv_empt
 @gluon.jit
 def _consumer(q_smem, q_bar, k_bufs, v_bufs, v_tail, kv_ready, kv_empty, O, LSE, T_M, T_L, T_ACC,
               stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count, q_pos0,
-              first_q, kv_len, window, lo_b, mid_b, hi_b, glo, ghi, turns, n_other,
+              first_q, kv_len, window, lo_b, mid_b, hi_b, glo, ghi,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr, ME: gl.constexpr, PINGPONG: gl.constexpr):
+              CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr):
     """One 64-row query tile on one warpgroup: key blocks [lo_b, mid_b) unmasked, [mid_b, hi_b) masked,
     each block's softmax overlapping the previous block's p·v (`_step`); the other blocks of the CTA's ring
     drained. A split's state is folded into the tile's running fold (kept in T_M/T_L/T_ACC: a second fp32
@@ -231,15 +221,13 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, v_tail, kv_ready, kv_empty, O, LSE,
         for j in range(lo_b + 1, u):  # unmasked blocks
             m, l, acc, p_op, has_t = _step(p_op, m, l, acc, has_t, j, q_smem, k_bufs, v_bufs, kv_ready, kv_empty,
                                            T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, q_pos,
-                                           k_base, kv_len, window, qk_scale, s_zero, glo, turns, j - lo_b - 1,
-                                           n_other, BLOCK_N, STAGES, KV_SPLIT, False, CAUSAL, s_layout, o_layout, ME,
-                                           PINGPONG)
+                                           k_base, kv_len, window, qk_scale, s_zero, glo, BLOCK_N, STAGES,
+                                           KV_SPLIT, False, CAUSAL, s_layout, o_layout)
         for j in range(u, hi_b):  # masked blocks
             m, l, acc, p_op, has_t = _step(p_op, m, l, acc, has_t, j, q_smem, k_bufs, v_bufs, kv_ready, kv_empty,
                                            T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, q_pos,
-                                           k_base, kv_len, window, qk_scale, s_zero, glo, turns, j - lo_b - 1,
-                                           n_other, BLOCK_N, STAGES, KV_SPLIT, True, CAUSAL, s_layout, o_layout, ME,
-                                           PINGPONG)
+                                           k_base, kv_len, window, qk_scale, s_zero, glo, BLOCK_N, STAGES,
+                                           KV_SPLIT, True, CAUSAL, s_layout, o_layout)
         # the last block's p·v
         j = hi_b - 1
         s = (j - glo) % STAGES
@@ -291,7 +279,7 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
                          stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, group,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
-                         CONSUMERS: gl.constexpr, REGS: gl.constexpr, PINGPONG: gl.constexpr):
+                         CONSUMERS: gl.constexpr, REGS: gl.constexpr):
     # grid (cdiv(max q_count, CONSUMERS * 64), Hq, sequences): the last (heaviest) query tiles first, as in
     # flash.py. Under a causal mask CTAs are aligned to the sequence's end, so a CTA with fewer query tiles
     # than consumers is the first, the lightest (a row's bits do not depend on where its tile starts: chunked
@@ -324,14 +312,6 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
     lo0, mid0, hi0 = gl.where(hi0 > lo0, lo0, glo), gl.where(hi0 > lo0, mid0, glo), gl.where(hi0 > lo0, hi0, glo)
     lo1, mid1, hi1 = gl.where(hi1 > lo1, lo1, glo), gl.where(hi1 > lo1, mid1, glo), gl.where(hi1 > lo1, hi1, glo)
     lo2, mid2, hi2 = gl.where(hi2 > lo2, lo2, glo), gl.where(hi2 > lo2, mid2, glo), gl.where(hi2 > lo2, hi2, glo)
-    steps0 = gl.maximum(hi0 - lo0 - 1, 0)  # the consumers' step counts (_step: every block but the first)
-    steps1 = gl.maximum(hi1 - lo1 - 1, 0)
-    # Ping-pong's turns cannot deadlock the ring while the second tile starts 0 or 1 block after the first
-    # (adjacent 64-row tiles always do; tests/kernels/ops/triton/test_gluon_protocol.py models it): otherwise
-    # no turns are taken.
-    turns_ok = (lo1 - lo0 >= 0) & (lo1 - lo0 <= 1)
-    steps0 = gl.where(turns_ok, steps0, 0)
-    steps1 = gl.where(turns_ok, steps1, 0)
     q_col = head * HEAD_DIM
     kv_col = (head // group) * HEAD_DIM
 
@@ -343,11 +323,8 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
     q_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG's turn-taking
     for c in gl.static_range(3):
         mbarrier.init(q_bars.index(c), count=1)
-    for c in gl.static_range(2):
-        mbarrier.init(turns.index(c), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(s), count=1)
         mbarrier.init(kv_empty.index(s), count=CONSUMERS)  # each consumer releases each stage
@@ -359,12 +336,12 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
         gl.warp_specialize([
             (_consumer, (q0, q_bars.index(0), k_bufs, v_bufs, v_tails.index(0), kv_ready, kv_empty, O, LSE, T_M, T_L,
                          T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count,
-                         q_pos0, first_q, kv_len, window, lo0, mid0, hi0, glo, ghi, turns, steps1,
-                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT, 0, PINGPONG)),
+                         q_pos0, first_q, kv_len, window, lo0, mid0, hi0, glo, ghi,
+                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
             (_consumer, (q1, q_bars.index(1), k_bufs, v_bufs, v_tails.index(1), kv_ready, kv_empty, O, LSE, T_M, T_L,
                          T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count,
-                         q_pos0, first_q + BLOCK_M, kv_len, window, lo1, mid1, hi1, glo, ghi, turns, steps0,
-                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT, 1, PINGPONG)),
+                         q_pos0, first_q + BLOCK_M, kv_len, window, lo1, mid1, hi1, glo, ghi,
+                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
             (_producer, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col, glo, ghi, BLOCK_N,
                          STAGES)),
         ], [4, 1], [REGS, 24])
@@ -375,16 +352,16 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
         gl.warp_specialize([
             (_consumer, (q0, q_bars.index(0), k_bufs, v_bufs, v_tails.index(0), kv_ready, kv_empty, O, LSE, T_M, T_L,
                          T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count,
-                         q_pos0, first_q, kv_len, window, lo0, mid0, hi0, glo, ghi, turns, steps1,
-                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT, 0, PINGPONG)),
+                         q_pos0, first_q, kv_len, window, lo0, mid0, hi0, glo, ghi,
+                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
             (_consumer, (q1, q_bars.index(1), k_bufs, v_bufs, v_tails.index(1), kv_ready, kv_empty, O, LSE, T_M, T_L,
                          T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count,
-                         q_pos0, first_q + BLOCK_M, kv_len, window, lo1, mid1, hi1, glo, ghi, turns, steps0,
-                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT, 1, PINGPONG)),
+                         q_pos0, first_q + BLOCK_M, kv_len, window, lo1, mid1, hi1, glo, ghi,
+                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
             (_consumer, (q2, q_bars.index(2), k_bufs, v_bufs, v_tails.index(2), kv_ready, kv_empty, O, LSE, T_M, T_L,
                          T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count,
-                         q_pos0, first_q + 2 * BLOCK_M, kv_len, window, lo2, mid2, hi2, glo, ghi, turns, steps0,
-                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT, 2, False)),
+                         q_pos0, first_q + 2 * BLOCK_M, kv_len, window, lo2, mid2, hi2, glo, ghi,
+                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
             (_producer, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col, glo, ghi, BLOCK_N,
                          STAGES)),
         ], [4, 4, 1], [REGS, REGS, 24])
@@ -393,7 +370,7 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
 def routes(dtype: torch.dtype, head_dim: int, capability: tuple[int, int], triton_version: str) -> bool:
     """Whether flash_forward's launch goes here: what this kernel is written for (Gluon's API moves
     between Triton releases)."""
-    return (dtype == torch.bfloat16 and head_dim in ROUTED and capability == (9, 0)
+    return (dtype == torch.bfloat16 and head_dim in SHAPES and capability == (9, 0)
             and triton_version.startswith("3.6."))
 
 
@@ -446,14 +423,14 @@ def gluon_forward(q, k, v, table, *, causal: bool, scale: float | None = None):
         return TensorDescriptor(two_d, list(two_d.shape), list(two_d.stride()), block,
                                 gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
-    consumers, stages, regs, pingpong = SHAPES[d]
+    consumers, stages, regs = SHAPES[d]
     block_n = attention_config(q.dtype, d).forward.block_n  # flash.py's key blocks: its bits
     grid = (triton.cdiv(max(table.max_q_count, 1), consumers * BLOCK_M), hq, table.num_sequences)
     gluon_forward_kernel[grid](
         desc(q, BLOCK_M), desc(k, block_n), desc(v, block_n), out, lse, t_m, t_l, t_acc, table.info,
         out.stride(0), out.stride(1), lse.stride(0), t_acc.stride(0) if t_acc.dim() == 3 else 0,
         t_acc.stride(1) if t_acc.dim() == 3 else 0, default_scale(d, scale) * LOG2_E, hq // k.shape[1],
-        BLOCK_M, block_n, d, stages, causal, kv_split, consumers, regs, pingpong and consumers == 2, num_warps=4)
+        BLOCK_M, block_n, d, stages, causal, kv_split, consumers, regs, num_warps=4)
     return out, lse
 
 
@@ -469,7 +446,7 @@ def compile_for_sm90(causal: bool, head_dim: int = 128):
 
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
-    consumers, stages, regs, pingpong = SHAPES[head_dim]
+    consumers, stages, regs = SHAPES[head_dim]
     block_n = attention_config(torch.bfloat16, head_dim).forward.block_n
 
     def desc(rows, heads):
@@ -483,7 +460,7 @@ def compile_for_sm90(causal: bool, head_dim: int = 128):
     args = (desc(BLOCK_M, 32), desc(block_n, 8), desc(block_n, 8), MockTensor("bfloat16", [8192, 32, head_dim]),
             f32, f32, f32, MockTensor("float32", [8192, 32, head_dim]), MockTensor("int32", [4, 6]),
             32 * head_dim, head_dim, 32, 32 * head_dim, head_dim, 0.1, 4,
-            BLOCK_M, block_n, head_dim, stages, causal, 2048, consumers, regs, pingpong and consumers == 2)
+            BLOCK_M, block_n, head_dim, stages, causal, 2048, consumers, regs)
     bound, specialization, options = create_function_from_signature(kernel.signature, kernel.params, backend)(
         *args, num_warps=4)
     options, signature, constexprs, attrs = kernel._pack_args(backend, {"num_warps": 4}, bound, specialization,
