@@ -16,8 +16,8 @@ zeroed in a consumer's own copy (the dQ tile's last K block; the dK/dV masked Q 
 zero-fills only at the tensor's edge: a neighbour's NaN cannot leak in.
 
 Measured on the H200 (torch 2.11, Triton 3.6; B·S = 16k, 32/8 heads, causal, ABBA medians,
-docs/evidence/h200_probe_gluon_all_60e5608.log): dq, dk, dv equal to the Triton kernels' at S = 2k / 4k / 8k (and full at
-4k); the whole backward 2.15 / 4.07 / 7.55 ms vs 2.61 / 4.51 / 8.25 (dQ alone 0.73 / 1.32 / 2.44 ms, dK/dV alone
+docs/evidence/h200_probe_gluon_all_60e5608.log): dq, dk, dv equal to the Triton kernels' at S = 2k / 4k / 8k (and
+full at 4k); the whole backward 2.15 / 4.07 / 7.55 ms vs 2.61 / 4.51 / 8.25 (dQ alone 0.73 / 1.32 / 2.44 ms, dK/dV alone
 1.56 / 2.86 / 5.40; SDPA's cuDNN backward 1.81 / 3.14 / 5.69). The dK/dV kernel is the one behind its peer.
 """
 
@@ -39,6 +39,7 @@ from rl_engine.kernels.ops.triton.attention.flash import LOG2_E, NO_WINDOW, atte
 from rl_engine.kernels.ops.triton.attention.gluon_forward import (
     BLOCK_M,
     _drain,
+    _last_product,
     _producer,
     _tile_blocks,
     check_rows,
@@ -101,7 +102,6 @@ def _dq_consumer(q_smem, do_smem, q_bar, k_bufs, v_bufs, k_tail, kv_ready, kv_em
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    k_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     mbarrier.wait(q_bar, 0)  # also for a tile without work: no copy may be in flight when the CTA exits
     _drain(kv_ready, kv_empty, glo, lo_b, glo, STAGES)
     if hi_b > lo_b:
@@ -134,20 +134,7 @@ def _dq_consumer(q_smem, do_smem, q_bar, k_bufs, v_bufs, k_tail, kv_ready, kv_em
             ds_op, dq = _dq_step(ds_op, dq, j, q_smem, do_smem, k_bufs, v_bufs, kv_ready, kv_empty, lse, delta, q_pos,
                                  k_base, kv_len, window, qk_scale, s_zero, glo, BLOCK_N, STAGES, True, CAUSAL,
                                  ds_layout)
-        # the last block's dq product
-        j = hi_b - 1
-        st = (j - glo) % STAGES
-        if hi_b * BLOCK_N > kv_len:  # keys past kv_len (a neighbour's rows) read as zeros, as in flash.py
-            kb = k_bufs.index(st).load(k_layout)
-            k_rows = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, k_layout))
-            k_tail.store(gl.where(gl.expand_dims(k_rows < kv_len, 1), kb, 0.0))
-            fence_async_shared()
-            dq = warpgroup_mma(ds_op, k_tail, dq, is_async=True)
-            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-        else:
-            dq = warpgroup_mma(ds_op, k_bufs.index(st), dq, is_async=True)
-            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-        mbarrier.arrive(kv_empty.index(st), count=1)
+        dq = _last_product(ds_op, k_bufs, k_tail, dq, kv_empty, hi_b, glo, kv_len, BLOCK_N, STAGES)  # its dq product
         dq = dq * scale
         rows_o = first_q + gl.arange(0, BLOCK_M, row_o)
         d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))

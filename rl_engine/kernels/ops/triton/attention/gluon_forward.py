@@ -108,6 +108,27 @@ def _drain(kv_ready, kv_empty, first, last, glo, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _last_product(a_op, bufs, tail, acc, kv_empty, hi_b, glo, kv_len, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """acc += a_op · (the tile's last key block, hi_b - 1), then its ring slot released. Keys past kv_len (a
+    neighbour's rows) are read as zeros, as in flash.py, through the consumer's own copy `tail`."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    j = hi_b - 1
+    s = (j - glo) % STAGES
+    if hi_b * BLOCK_N > kv_len:
+        b = bufs.index(s).load(layout)
+        k_rows = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, layout))
+        tail.store(gl.where(gl.expand_dims(k_rows < kv_len, 1), b, 0.0))
+        fence_async_shared()
+        acc = warpgroup_mma(a_op, tail, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    else:
+        acc = warpgroup_mma(a_op, bufs.index(s), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(kv_empty.index(s), count=1)
+    return acc
+
+
+@gluon.jit
 def _fold(T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, has_t, m, l, acc,
           row_s: gl.constexpr, o_layout: gl.constexpr):
     """The running fold ⊕ this split's state, as flash.py folds every split, the first into a fresh state
@@ -185,7 +206,6 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, v_tail, kv_ready, kv_empty, O, LSE,
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     mbarrier.wait(q_bar, 0)  # also for a tile without work: no copy may be in flight when the CTA exits
     _drain(kv_ready, kv_empty, glo, lo_b, glo, STAGES)
     if hi_b > lo_b:
@@ -228,20 +248,7 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, v_tail, kv_ready, kv_empty, O, LSE,
                                            T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, q_pos,
                                            k_base, kv_len, window, qk_scale, s_zero, glo, BLOCK_N, STAGES,
                                            KV_SPLIT, True, CAUSAL, s_layout, o_layout)
-        # the last block's p·v
-        j = hi_b - 1
-        s = (j - glo) % STAGES
-        if hi_b * BLOCK_N > kv_len:  # keys past kv_len (a neighbour's rows) read as zeros, as in flash.py
-            v = v_bufs.index(s).load(v_layout)
-            k_rows = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, v_layout))
-            v_tail.store(gl.where(gl.expand_dims(k_rows < kv_len, 1), v, 0.0))
-            fence_async_shared()
-            acc = warpgroup_mma(p_op, v_tail, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        else:
-            acc = warpgroup_mma(p_op, v_bufs.index(s), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(kv_empty.index(s), count=1)
+        acc = _last_product(p_op, v_bufs, v_tail, acc, kv_empty, hi_b, glo, kv_len, BLOCK_N, STAGES)  # its p·v
         m, l, acc = _fold(T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, has_t, m, l, acc,
                           row_s, o_layout)
         l_safe = gl.where(l == 0.0, 1.0, l)
