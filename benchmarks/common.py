@@ -289,7 +289,7 @@ def save_plot(out_dir: str, name: str, panels: list[dict]) -> str | None:
     """One PNG with a subplot per panel.
 
     panel = {"title", "xlabel", "ylabel", "x": [...], "series": {label: [y or None, ...]},
-             "kind": "line" (default) or "bar", "logy": bool, "hline": (y, label) optional}
+             "kind": "line" (default) or "bar", "logy": bool, "hline": (y, label) or a list of them, optional}
     """
     try:
         import matplotlib
@@ -314,9 +314,11 @@ def save_plot(out_dir: str, name: str, panels: list[dict]) -> str | None:
                 pts = [(a, b) for a, b in zip(x, ys) if b is not None]
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=label)
-        if panel.get("hline"):
-            y, label = panel["hline"]
-            ax.axhline(y, linestyle="--", color="gray", label=label)
+        lines = panel.get("hline") or []
+        if lines and not isinstance(lines[0], (list, tuple)):
+            lines = [lines]
+        for style, (y, label) in zip(("--", ":", "-."), lines):
+            ax.axhline(y, linestyle=style, color="gray", label=label)
         if panel.get("logy"):
             ax.set_yscale("log")
         ax.set_title(panel.get("title", ""))

@@ -146,6 +146,19 @@ def test_goals_are_marked_met_or_missed(bench):
     assert bench.decode_goal({"batch": 4, "cached": 8192, "triton_pct_copy": 90.0}) == (None, "n/a")
 
 
+def test_the_ratio_panel_draws_both_goals(bench, monkeypatch, tmp_path):
+    drawn = {}
+    monkeypatch.setattr(bench, "save_plot", lambda out, name, panels: drawn.setdefault("panels", panels))
+    rows = [{"S": 4096, "head_dim": 128, "mode": mode, "ratio_vs_fastest": 0.7}
+            for mode in ("forward", "forward+backward")]
+    bench.plot(str(tmp_path), rows, [], 800.0, 4000.0)
+    ratio = next(p for p in drawn["panels"] if p["ylabel"] == "ratio" and p.get("kind") == "bar")
+    assert ratio["hline"] == [(0.85, "forward goal"), (0.75, "forward+backward goal")]
+    assert ratio["series"]["forward+backward"] == [0.7]
+    monkeypatch.undo()  # the real save_plot: one line or several, both drawn
+    assert bench.save_plot(str(tmp_path), "lines", [ratio, dict(ratio, hline=(0.5, "one"))]).endswith("lines.png")
+
+
 def test_the_fastest_peer_sets_the_ratio(bench):
     row = {"S": 4096, "mode": "forward", "triton_ms": 2.0, "sdpa_ms": 1.0, "sdpa_backend": "cudnn",
            "sdpa_flash_ms": 1.5, "fa4_error": "unavailable: x"}
