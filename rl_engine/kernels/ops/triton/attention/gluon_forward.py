@@ -388,7 +388,7 @@ def _capability(index: int) -> tuple[int, int]:
 
 def covers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """routes(...) for these CUDA rows: by dtype, head_dim and device only, never by layout or alignment, so
-    every batch of a run takes the same kernels (the Gluon backward's dK/dV has its own bits). The caller
+    every batch of a run takes the same kernels (whose bits equal flash.py's: the gpu tests check it). The caller
     hands over 16-byte aligned rows (TMA descriptors need them): flash.py copies the others."""
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     return routes(q.dtype, q.shape[2], _capability(index), triton.__version__) and k.dtype == v.dtype == q.dtype
