@@ -7,8 +7,10 @@ TMA. A consumer issues block j's s = q·kᵀ and dp = dO·vᵀ together with blo
 j's ds while that runs. Per row it is flash.py's `_dq_block`, block after block in the same order.
 
 dK/dV: per CTA two 64-key tiles of one sequence and KV head (K and V in shared memory), one per consumer, and a
-producer streaming Q and dO blocks of 32 queries for each head of the group in order. Per block it is flash.py's
-`_dkdv_block` (sᵀ = k·qᵀ and dpᵀ = v·dOᵀ, then dv += pᵀ·dO and dk += dsᵀ·q), over flash.py's query ranges.
+producer streaming Q and dO blocks of 32 queries for each head of the group in order, with their LSE and delta
+(as FA3 does: a consumer that loaded them itself waited on global memory at every block, and held their
+addresses in spilled registers). Per block it is flash.py's `_dkdv_block` (sᵀ = k·qᵀ and dpᵀ = v·dOᵀ, then
+dv += pᵀ·dO and dk += dsᵀ·q), over flash.py's query ranges.
 
 Both keep flash.py's tiles, block order and group order (the Triton kernels' bits are expected: the gpu tests
 check it). Invisible pairs' ds are zeroed with `where` (not only p), and operands past a sequence's end are
@@ -18,7 +20,8 @@ zero-fills only at the tensor's edge: a neighbour's NaN cannot leak in.
 Measured on the H200 (torch 2.11, Triton 3.6; B·S = 16k, 32/8 heads, causal, ABBA medians,
 docs/evidence/h200_probe_gluon_all_60e5608.log): dq, dk, dv equal to the Triton kernels' at S = 2k / 4k / 8k (and
 full at 4k); the whole backward 2.15 / 4.07 / 7.55 ms vs 2.61 / 4.51 / 8.25 (dQ alone 0.73 / 1.32 / 2.44 ms, dK/dV alone
-1.56 / 2.86 / 5.40; SDPA's cuDNN backward 1.81 / 3.14 / 5.69). The dK/dV kernel is the one behind its peer.
+1.56 / 2.86 / 5.40; SDPA's cuDNN backward 1.81 / 3.14 / 5.69). LSE and delta through the ring took dK/dV alone to
+1.24 / 2.29 / 4.42 ms (4.13 vs 5.32 without a mask), the same bits (h200_probe_dkdv_lse_ring.log).
 """
 
 from __future__ import annotations
@@ -47,9 +50,10 @@ from rl_engine.kernels.ops.triton.attention.gluon_forward import (
 
 CONSUMERS, STAGES, REGS = 2, 4, 240  # a consumer holds block j-1 (its dq product in flight) and block j
 # dK/dV: 32-query blocks, flash.py's dK/dV tile (64-query blocks: 2 KB of spills a thread, sm_90a compile);
-# two 64-key tiles (K, V), a 4-deep (Q, dO) ring and each consumer's zeroed tail copies: 160 KiB.
+# two 64-key tiles (K, V), a 4-deep (Q, dO, LSE, delta) ring and each consumer's zeroed tail copies: 161 KiB.
 DKDV_BLOCK_Q, DKDV_STAGES = 32, 4
 NO_WINDOW_C = gl.constexpr(NO_WINDOW)
+ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # a block's LSE or delta row
 
 
 @gluon.jit
@@ -210,24 +214,34 @@ def gluon_dq_kernel(desc_q, desc_do, desc_k, desc_v, DQ, LSE, DELTA, SEQ_INFO,
 
 
 @gluon.jit
-def _qdo_producer(desc_q, desc_do, q_bufs, do_bufs, ready, empty, q_row0, kv_head, group, glo, ghi,
-                  BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    """Streams the query blocks [glo, ghi) of each head of the group, in order, Q and dO into the ring."""
+def _qdo_producer(desc_q, desc_do, desc_lse, desc_delta, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, q_row0,
+                  kv_head, group, glo, ghi, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """Streams the query blocks [glo, ghi) of each head of the group, in order, into the ring: Q and dO rows
+    and their LSE and delta (one 128-byte TMA box each, from `_row_descriptor`'s copies)."""
     nb = ghi - glo
+    n_heads = group * gl.num_programs(1)
+    nbytes: gl.constexpr = (desc_q.block_type.nbytes + desc_do.block_type.nbytes + desc_lse.block_type.nbytes
+                            + desc_delta.block_type.nbytes)
     for g in range(0, group):
-        col = (kv_head * group + g) * HEAD_DIM
+        head = kv_head * group + g
+        col = head * HEAD_DIM
         for m in range(glo, ghi):
             t = g * nb + m - glo
             st = t % STAGES
+            row = q_row0 + m * BLOCK_M
             mbarrier.wait(empty.index(st), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
-            mbarrier.expect(ready.index(st), desc_q.block_type.nbytes + desc_do.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_q, [q_row0 + m * BLOCK_M, col], ready.index(st), q_bufs.index(st))
-            tma.async_copy_global_to_shared(desc_do, [q_row0 + m * BLOCK_M, col], ready.index(st), do_bufs.index(st))
+            mbarrier.expect(ready.index(st), nbytes)
+            tma.async_copy_global_to_shared(desc_q, [row, col], ready.index(st), q_bufs.index(st))
+            tma.async_copy_global_to_shared(desc_do, [row, col], ready.index(st), do_bufs.index(st))
+            shift = row % 4  # `_row_descriptor`'s shifted copies
+            row_c = [shift * n_heads + head, row - shift]
+            tma.async_copy_global_to_shared(desc_lse, row_c, ready.index(st), lse_bufs.index(st))
+            tma.async_copy_global_to_shared(desc_delta, row_c, ready.index(st), delta_bufs.index(st))
 
 
 @gluon.jit
-def _dkdv_block(k_smem, v_smem, q_smem, do_smem, dk, dv, LSE, DELTA, q_row0, q_pos0, q_count, head, m, start_n,
-                kv_len, window, stride_lr, qk_scale, s_zero,
+def _dkdv_block(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dk, dv, q_pos0, q_count, m, start_n,
+                kv_len, window, qk_scale, s_zero,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
                 s_layout: gl.constexpr, o_layout: gl.constexpr):
     """flash.py's `_dkdv_block` for query block m: dV += Pᵀ·dO and dK += dSᵀ·Q, sᵀ = K·Qᵀ and dpᵀ = V·dOᵀ
@@ -236,15 +250,13 @@ def _dkdv_block(k_smem, v_smem, q_smem, do_smem, dk, dv, LSE, DELTA, q_row0, q_p
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     q_idx = m * BLOCK_M + gl.arange(0, BLOCK_M, col_s)
-    l_off = (q_row0 + q_idx).to(gl.int64) * stride_lr + head
     rows_ok = q_idx < q_count
-    lse = gl.load(LSE + l_off, mask=rows_ok, other=0.0)
-    delta = gl.load(DELTA + l_off, mask=rows_ok, other=0.0)
     s_t = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dp_t = warpgroup_mma(v_smem, do_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
-    p_t = gl.exp2(gl.fma(s_t, qk_scale, -gl.expand_dims(lse, 0)))
-    ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+    # [1, BLOCK_M] rows of the ring, broadcast over the keys (rows past q_count: only in masked blocks, zeroed below)
+    p_t = gl.exp2(gl.fma(s_t, qk_scale, -lse_smem.load(s_layout)))
+    ds_t = p_t * (dp_t - delta_smem.load(s_layout))
     if MASKED:
         k_pos = start_n + gl.arange(0, BLOCK_N, gl.SliceLayout(1, s_layout))
         q_pos = q_pos0 + q_idx
@@ -263,8 +275,8 @@ def _dkdv_block(k_smem, v_smem, q_smem, do_smem, dk, dv, LSE, DELTA, q_row0, q_p
 
 
 @gluon.jit
-def _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, q_tail, do_tail, ready, empty, dk, dv, LSE, DELTA, q_row0, q_pos0,
-               q_count, head, first, last, t0, start_n, kv_len, window, stride_lr, qk_scale, s_zero,
+def _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, q_tail, do_tail, ready, empty, dk, dv, q_pos0,
+               q_count, first, last, t0, start_n, kv_len, window, qk_scale, s_zero,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
                CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Query blocks [first, last) of one head, ring slots t0 + m. A masked block is copied into the
@@ -282,20 +294,21 @@ def _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, q_tail, do_tail, ready, empty, d
                 q_tail.slice(r, 8).store(gl.where(keep, q_bufs.index(st).slice(r, 8).load(chunk), 0.0))
                 do_tail.slice(r, 8).store(gl.where(keep, do_bufs.index(st).slice(r, 8).load(chunk), 0.0))
             fence_async_shared()
-            dk, dv = _dkdv_block(k_smem, v_smem, q_tail, do_tail, dk, dv, LSE, DELTA, q_row0, q_pos0, q_count, head,
-                                 m, start_n, kv_len, window, stride_lr, qk_scale, s_zero, BLOCK_M, BLOCK_N, True,
+            dk, dv = _dkdv_block(k_smem, v_smem, q_tail, do_tail, lse_bufs.index(st), delta_bufs.index(st), dk, dv,
+                                 q_pos0, q_count, m, start_n, kv_len, window, qk_scale, s_zero, BLOCK_M, BLOCK_N, True,
                                  CAUSAL, s_layout, o_layout)
         else:
-            dk, dv = _dkdv_block(k_smem, v_smem, q_bufs.index(st), do_bufs.index(st), dk, dv, LSE, DELTA, q_row0,
-                                 q_pos0, q_count, head, m, start_n, kv_len, window, stride_lr, qk_scale, s_zero,
+            dk, dv = _dkdv_block(k_smem, v_smem, q_bufs.index(st), do_bufs.index(st), lse_bufs.index(st),
+                                 delta_bufs.index(st), dk, dv, q_pos0, q_count, m, start_n, kv_len, window, qk_scale,
+                                 s_zero,
                                  BLOCK_M, BLOCK_N, False, CAUSAL, s_layout, o_layout)
         mbarrier.arrive(empty.index(st), count=1)
     return dk, dv
 
 
 @gluon.jit
-def _dkdv_consumer(k_smem, v_smem, kv_bar, q_bufs, do_bufs, q_tail, do_tail, ready, empty, DK, DV, LSE, DELTA,
-                   stride_kr, stride_kh, stride_lr, qk_scale, scale, kv_head, group, q_row0, q_count, q_pos0,
+def _dkdv_consumer(k_smem, v_smem, kv_bar, q_bufs, do_bufs, lse_bufs, delta_bufs, q_tail, do_tail, ready, empty, DK,
+                   DV, stride_kr, stride_kh, qk_scale, scale, kv_head, group, q_count, q_pos0,
                    k_row0, kv_len, window, start_n, lo_b, mid_b, full_b, hi_b, glo, ghi,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr):
@@ -313,17 +326,16 @@ def _dkdv_consumer(k_smem, v_smem, kv_bar, q_bufs, do_bufs, q_tail, do_tail, rea
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, o_layout)
     nb = ghi - glo
     for g in range(0, group):  # the group's query heads, summed in a fixed order (no atomics)
-        head = kv_head * group + g
         t0 = g * nb - glo
         _drain(ready, empty, glo, lo_b, glo - g * nb, STAGES)
-        dk, dv = _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, q_tail, do_tail, ready, empty, dk, dv, LSE, DELTA, q_row0,
-                            q_pos0, q_count, head, lo_b, mid_b, t0, start_n, kv_len, window, stride_lr, qk_scale,
+        dk, dv = _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, q_tail, do_tail, ready, empty, dk,
+                            dv, q_pos0, q_count, lo_b, mid_b, t0, start_n, kv_len, window, qk_scale,
                             s_zero, BLOCK_M, BLOCK_N, STAGES, True, CAUSAL, s_layout, o_layout)
-        dk, dv = _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, q_tail, do_tail, ready, empty, dk, dv, LSE, DELTA, q_row0,
-                            q_pos0, q_count, head, mid_b, full_b, t0, start_n, kv_len, window, stride_lr, qk_scale,
+        dk, dv = _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, q_tail, do_tail, ready, empty, dk,
+                            dv, q_pos0, q_count, mid_b, full_b, t0, start_n, kv_len, window, qk_scale,
                             s_zero, BLOCK_M, BLOCK_N, STAGES, False, CAUSAL, s_layout, o_layout)
-        dk, dv = _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, q_tail, do_tail, ready, empty, dk, dv, LSE, DELTA, q_row0,
-                            q_pos0, q_count, head, full_b, hi_b, t0, start_n, kv_len, window, stride_lr, qk_scale,
+        dk, dv = _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, q_tail, do_tail, ready, empty, dk,
+                            dv, q_pos0, q_count, full_b, hi_b, t0, start_n, kv_len, window, qk_scale,
                             s_zero, BLOCK_M, BLOCK_N, STAGES, True, CAUSAL, s_layout, o_layout)
         _drain(ready, empty, hi_b, ghi, glo - g * nb, STAGES)
     k_idx = start_n + gl.arange(0, BLOCK_N, row_o)
@@ -356,8 +368,8 @@ def _dkdv_ranges(start_n, q_pos0, q_count, kv_len, window, CAUSAL: gl.constexpr,
 
 
 @gluon.jit
-def gluon_dkdv_kernel(desc_q, desc_do, desc_k, desc_v, DK, DV, LSE, DELTA, SEQ_INFO,
-                      stride_kr, stride_kh, stride_lr, qk_scale, scale, group,
+def gluon_dkdv_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, DK, DV, SEQ_INFO,
+                      stride_kr, stride_kh, qk_scale, scale, group,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, REGS: gl.constexpr):
     # grid (cdiv(max kv_len, 128), Hkv, sequences): under a causal mask the first key blocks do the most work.
@@ -392,6 +404,8 @@ def gluon_dkdv_kernel(desc_q, desc_do, desc_k, desc_v, DK, DV, LSE, DELTA, SEQ_I
     v1 = gl.allocate_shared_memory(desc_v.dtype, desc_v.block_type.shape, desc_v.layout)
     q_bufs = gl.allocate_shared_memory(desc_q.dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
     do_bufs = gl.allocate_shared_memory(desc_do.dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + desc_lse.block_type.shape, desc_lse.layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + desc_delta.block_type.shape, desc_delta.layout)
     q_tails = gl.allocate_shared_memory(desc_q.dtype, [2] + desc_q.block_type.shape, desc_q.layout)
     do_tails = gl.allocate_shared_memory(desc_do.dtype, [2] + desc_do.block_type.shape, desc_do.layout)
     kv_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -410,16 +424,16 @@ def gluon_dkdv_kernel(desc_q, desc_do, desc_k, desc_v, DK, DV, LSE, DELTA, SEQ_I
     tma.async_copy_global_to_shared(desc_k, [k_row0 + start_n + BLOCK_N, kv_col], kv_bars.index(1), k1)
     tma.async_copy_global_to_shared(desc_v, [k_row0 + start_n + BLOCK_N, kv_col], kv_bars.index(1), v1)
     gl.warp_specialize([
-        (_dkdv_consumer, (k0, v0, kv_bars.index(0), q_bufs, do_bufs, q_tails.index(0), do_tails.index(0), ready,
-                          empty, DK, DV, LSE, DELTA, stride_kr, stride_kh, stride_lr, qk_scale, scale, kv_head, group,
-                          q_row0, q_count, q_pos0, k_row0, kv_len, window, start_n, lo0, mid0, full0, hi0, glo, ghi,
+        (_dkdv_consumer, (k0, v0, kv_bars.index(0), q_bufs, do_bufs, lse_bufs, delta_bufs, q_tails.index(0),
+                          do_tails.index(0), ready, empty, DK, DV, stride_kr, stride_kh, qk_scale, scale, kv_head,
+                          group, q_count, q_pos0, k_row0, kv_len, window, start_n, lo0, mid0, full0, hi0, glo, ghi,
                           BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-        (_dkdv_consumer, (k1, v1, kv_bars.index(1), q_bufs, do_bufs, q_tails.index(1), do_tails.index(1), ready,
-                          empty, DK, DV, LSE, DELTA, stride_kr, stride_kh, stride_lr, qk_scale, scale, kv_head, group,
-                          q_row0, q_count, q_pos0, k_row0, kv_len, window, start_n + BLOCK_N, lo1, mid1, full1, hi1,
+        (_dkdv_consumer, (k1, v1, kv_bars.index(1), q_bufs, do_bufs, lse_bufs, delta_bufs, q_tails.index(1),
+                          do_tails.index(1), ready, empty, DK, DV, stride_kr, stride_kh, qk_scale, scale, kv_head,
+                          group, q_count, q_pos0, k_row0, kv_len, window, start_n + BLOCK_N, lo1, mid1, full1, hi1,
                           glo, ghi, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-        (_qdo_producer, (desc_q, desc_do, q_bufs, do_bufs, ready, empty, q_row0, kv_head, group, glo, ghi, BLOCK_M,
-                         HEAD_DIM, STAGES)),
+        (_qdo_producer, (desc_q, desc_do, desc_lse, desc_delta, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty,
+                         q_row0, kv_head, group, glo, ghi, BLOCK_M, HEAD_DIM, STAGES)),
     ], [4, 1], [REGS, 24])
 
 
@@ -430,6 +444,20 @@ def _descriptor(x, block_rows):
     block = [block_rows, x.shape[2]]
     return TensorDescriptor(two_d, list(two_d.shape), list(two_d.stride()), block,
                             gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+
+
+def _row_descriptor(x):
+    """[R, Hq] fp32 per-row values (LSE, delta) for the producer's TMA: a block's DKDV_BLOCK_Q rows of one head are
+    one box of a [Hq, R] copy, but a box must start on 16 bytes and a block of a packed batch starts on any row, so
+    the copy is kept four times, shifted by 0-3 rows: rows [r, r + 32) of head h are row k·Hq + h, columns
+    [r - k, r - k + 32) with k = r % 4 (TMA zero-fills past R)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    rows, heads = x.shape
+    t = torch.empty((4 * heads, triton.cdiv(rows, 4) * 4), dtype=x.dtype, device=x.device)
+    for k in range(4):
+        t[k * heads:(k + 1) * heads, :max(rows - k, 0)] = x[k:].t()
+    return TensorDescriptor(t, [4 * heads, rows], list(t.stride()), [1, DKDV_BLOCK_Q], ROW_LAYOUT)
 
 
 def gluon_dq(do, q, k, v, lse, delta, table, *, causal: bool, scale: float, out=None) -> torch.Tensor:
@@ -464,8 +492,8 @@ def gluon_dkdv(do, q, k, v, lse, delta, table, *, causal: bool, scale: float, ou
     grid = (triton.cdiv(max(table.max_kv_len, 1), 2 * BLOCK_M), hkv, table.num_sequences)
     gluon_dkdv_kernel[grid](
         _descriptor(q, DKDV_BLOCK_Q), _descriptor(do, DKDV_BLOCK_Q), _descriptor(k, BLOCK_M), _descriptor(v, BLOCK_M),
-        dk, dv, lse, delta, table.info, dk.stride(0), dk.stride(1), lse.stride(0), scale * LOG2_E, scale, hq // hkv,
-        DKDV_BLOCK_Q, BLOCK_M, d, DKDV_STAGES, causal, REGS, num_warps=4)
+        _row_descriptor(lse), _row_descriptor(delta), dk, dv, table.info, dk.stride(0), dk.stride(1), scale * LOG2_E,
+        scale, hq // hkv, DKDV_BLOCK_Q, BLOCK_M, d, DKDV_STAGES, causal, REGS, num_warps=4)
     return dk, dv
 
 
@@ -499,9 +527,10 @@ def compile_for_sm90(causal: bool, kernel: str = "dq"):
                 32 * head_dim, head_dim, 32, 0.1, 0.1, 4, BLOCK_M, block_n, head_dim, STAGES, causal, REGS)
     else:
         fn = gluon_dkdv_kernel
-        args = (desc(DKDV_BLOCK_Q, 32), desc(DKDV_BLOCK_Q, 32), desc(BLOCK_M, 8), desc(BLOCK_M, 8), rows, rows, f32,
-                f32, info,
-                8 * head_dim, head_dim, 32, 0.1, 0.1, 4, DKDV_BLOCK_Q, BLOCK_M, head_dim, DKDV_STAGES, causal, REGS)
+        row = TensorDescriptor(MockTensor("float32", [32, 8192]), [32, 8192], [8192, 1], [1, DKDV_BLOCK_Q], ROW_LAYOUT)
+        args = (desc(DKDV_BLOCK_Q, 32), desc(DKDV_BLOCK_Q, 32), desc(BLOCK_M, 8), desc(BLOCK_M, 8), row, row, rows,
+                rows, info, 8 * head_dim, head_dim, 0.1, 0.1, 4, DKDV_BLOCK_Q, BLOCK_M, head_dim, DKDV_STAGES, causal,
+                REGS)
     bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(
         *args, num_warps=4)
     options, signature, constexprs, attrs = fn._pack_args(backend, {"num_warps": 4}, bound, specialization, options)
