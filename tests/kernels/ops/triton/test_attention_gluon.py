@@ -145,6 +145,34 @@ def test_the_backward_kernels_compile_for_the_h200(mask, kernel):
     assert result["warps"] == 12, "two consumer warpgroups and a producer warp rounded up to a warpgroup"
 
 
+def _first_wrong_box(t, x, n):
+    """Where the dK/dV producer's box (row k·Hq + h, columns [r - k, r - k + n), k = r % 4) of `t` is not rows
+    [r, r + n) of head h of `x` (inside x), or None."""
+    rows, heads = x.shape
+    for r in range(rows):
+        k = r % 4
+        assert (r - k) * t.element_size() % 16 == 0, "the box's innermost coordinate must be 16-byte aligned"
+        for h in range(heads):
+            got = t[k * heads + h, r - k: r - k + n][: min(n, rows - r)]
+            if not torch.equal(got, x[r: r + n, h]):
+                return r, h
+    return None
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 63, 893])
+def test_the_dkdv_producer_reads_every_block_start_from_an_aligned_box(rows):
+    from rl_engine.kernels.ops.triton.attention.gluon_backward import DKDV_BLOCK_Q, shifted_rows
+
+    x = torch.randn(rows, 3)
+    t = shifted_rows(x)
+    assert t.shape == (12, -(-rows // 4) * 4) and t.stride(0) * t.element_size() % 16 == 0
+    assert _first_wrong_box(t, x, DKDV_BLOCK_Q) is None
+    if rows > 1:  # planted: the four copies not shifted (the box read at the aligned row, not the block's)
+        unshifted = torch.cat([x.t()] * 4)
+        unshifted = torch.nn.functional.pad(unshifted, (0, t.shape[1] - rows))
+        assert _first_wrong_box(unshifted, x, DKDV_BLOCK_Q) is not None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, layout, spec, s, hq, hkv, causal, d", [c for c in GPU_CASES if c[7] == 128],
                          ids=[c[0] for c in GPU_CASES if c[7] == 128])

@@ -217,7 +217,7 @@ def gluon_dq_kernel(desc_q, desc_do, desc_k, desc_v, DQ, LSE, DELTA, SEQ_INFO,
 def _qdo_producer(desc_q, desc_do, desc_lse, desc_delta, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, q_row0,
                   kv_head, group, glo, ghi, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     """Streams the query blocks [glo, ghi) of each head of the group, in order, into the ring: Q and dO rows
-    and their LSE and delta (one 128-byte TMA box each, from `_row_descriptor`'s copies)."""
+    and their LSE and delta (one 128-byte TMA box each, from `shifted_rows`' copies)."""
     nb = ghi - glo
     n_heads = group * gl.num_programs(1)
     nbytes: gl.constexpr = (desc_q.block_type.nbytes + desc_do.block_type.nbytes + desc_lse.block_type.nbytes
@@ -233,7 +233,7 @@ def _qdo_producer(desc_q, desc_do, desc_lse, desc_delta, q_bufs, do_bufs, lse_bu
             mbarrier.expect(ready.index(st), nbytes)
             tma.async_copy_global_to_shared(desc_q, [row, col], ready.index(st), q_bufs.index(st))
             tma.async_copy_global_to_shared(desc_do, [row, col], ready.index(st), do_bufs.index(st))
-            shift = row % 4  # `_row_descriptor`'s shifted copies
+            shift = row % 4  # `shifted_rows`
             row_c = [shift * n_heads + head, row - shift]
             tma.async_copy_global_to_shared(desc_lse, row_c, ready.index(st), lse_bufs.index(st))
             tma.async_copy_global_to_shared(desc_delta, row_c, ready.index(st), delta_bufs.index(st))
@@ -446,18 +446,23 @@ def _descriptor(x, block_rows):
                             gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
 
-def _row_descriptor(x):
-    """[R, Hq] fp32 per-row values (LSE, delta) for the producer's TMA: a block's DKDV_BLOCK_Q rows of one head are
-    one box of a [Hq, R] copy, but a box must start on 16 bytes and a block of a packed batch starts on any row, so
-    the copy is kept four times, shifted by 0-3 rows: rows [r, r + 32) of head h are row k·Hq + h, columns
-    [r - k, r - k + 32) with k = r % 4 (TMA zero-fills past R)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
+def shifted_rows(x: torch.Tensor) -> torch.Tensor:
+    """[R, Hq] per-row values (LSE, delta) -> [4·Hq, R'] for the dK/dV producer's TMA: a block's rows [r, r + n) of
+    head h would be one box of a [Hq, R] copy, but a box's innermost coordinate must be 16-byte aligned and a block
+    of a packed batch starts on any row, so the copy is kept four times, shifted by 0-3 rows: row k·Hq + h, columns
+    [r - k, r - k + n) with k = r % 4 (R' = R rounded up to 4: TMA needs 16-byte row strides)."""
     rows, heads = x.shape
     t = torch.empty((4 * heads, triton.cdiv(rows, 4) * 4), dtype=x.dtype, device=x.device)
     for k in range(4):
         t[k * heads:(k + 1) * heads, :max(rows - k, 0)] = x[k:].t()
-    return TensorDescriptor(t, [4 * heads, rows], list(t.stride()), [1, DKDV_BLOCK_Q], ROW_LAYOUT)
+    return t
+
+
+def _row_descriptor(x):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    t = shifted_rows(x)
+    return TensorDescriptor(t, [t.shape[0], x.shape[0]], list(t.stride()), [1, DKDV_BLOCK_Q], ROW_LAYOUT)
 
 
 def gluon_dq(do, q, k, v, lse, delta, table, *, causal: bool, scale: float, out=None) -> torch.Tensor:
