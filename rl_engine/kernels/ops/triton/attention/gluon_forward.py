@@ -5,8 +5,9 @@ tiles (not decode's split programs), one query head per tile, bf16, head_dim 128
 Per CTA: three (head_dim 128) or two (256) 64-row query tiles of one sequence and head, each on its own
 consumer warpgroup, and a 1-warp producer that streams the union of their K/V blocks into a ring of shared
 buffers by TMA. A consumer issues block j's q·kᵀ and block j-1's p·v together and runs block j's softmax while
-p·v is in flight (FA3's intra-warpgroup overlap; p goes to the tensor cores straight from registers), so its
-own MMAs overlap its softmax and the other warpgroups' MMAs fill the gaps. The per-row arithmetic is flash.py's
+p·v is in flight (FA3's intra-warpgroup overlap; p goes to the tensor cores straight from registers). In the
+SASS ptxas moves that softmax below the wait for p·v (docs/kernels.md), so what overlaps a consumer's softmax is
+the other warpgroups' MMAs. The per-row arithmetic is flash.py's
 instruction for instruction and in flash.py's order (its key blocks from the sequence's first key, exp2 of an
 explicit fma, p rounded to bf16 before its row sum and its product, masks by `where`, acc += p·v then
 acc *= alpha, the KV-split folds with the same fmas, the same accumulator layouts), so every row gets
