@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import sys
+import sysconfig
 import threading
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -31,6 +32,22 @@ SUBCOMMANDS = {
 }
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 STOP_GRACE_S = 3.0  # after a stop signal, the process ends within this whatever the command does
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def safe_to_raise(frame) -> bool:
+    """Whether a stop exception may be raised in `frame`, the code a signal interrupted. Not in the standard
+    library below Triton's code: Triton's native code calls back into it (nanobind converting an enum under Triton
+    3.9's interpreter), and an exception raised there cannot unwind through the C++ frames above it: the process
+    aborts (SIGABRT; seen once in CI). Elsewhere (a launcher waiting in subprocess, our own code) it may."""
+    if frame is None or not frame.f_code.co_filename.startswith(_STDLIB):
+        return True
+    caller = frame.f_back
+    while caller is not None:
+        if f"{os.sep}triton{os.sep}" in caller.f_code.co_filename:
+            return False
+        caller = caller.f_back
+    return True
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -50,8 +67,9 @@ def stop_signals(prog: str = "rl-engine"):
     Python swallows an exception raised inside a finalizer (`__del__`, a weakref callback): a stop
     signal landing there would be lost, and the command would run on. So that case is kept silent
     (no "Exception ignored" traceback) and a watchdog ends the process STOP_GRACE_S after the signal
-    whatever happens, with the same one line and exit code."""
-    state = SimpleNamespace(signum=None, reported=False)
+    whatever happens, with the same one line and exit code. Where raising would abort the process
+    (`safe_to_raise`), the signal is sent again 10 ms later instead."""
+    state = SimpleNamespace(signum=None, reported=False, raised=False)
 
     def end():
         """The one way out after a stop signal: one line, then 128 + the signal (from any thread)."""
@@ -63,13 +81,20 @@ def stop_signals(prog: str = "rl-engine"):
     state.end = end
 
     def handler(signum, frame):
-        if state.signum is not None:
+        if state.raised:
             return
-        state.signum = signum
-        watchdog = threading.Timer(STOP_GRACE_S, end)
-        watchdog.daemon = True
-        watchdog.start()
-        raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+        if state.signum is None:
+            state.signum = signum
+            watchdog = threading.Timer(STOP_GRACE_S, end)
+            watchdog.daemon = True
+            watchdog.start()
+        if not safe_to_raise(frame):  # try again in 10 ms, when the main thread is elsewhere
+            retry = threading.Timer(0.01, os.kill, (os.getpid(), state.signum))
+            retry.daemon = True
+            retry.start()
+            return
+        state.raised = True
+        raise Terminated() if state.signum == signal.SIGTERM else KeyboardInterrupt()
 
     previous_hook = sys.unraisablehook
 
