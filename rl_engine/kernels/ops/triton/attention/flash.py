@@ -764,8 +764,6 @@ def flash_backward(do, q, k, v, out, lse, table: SequenceTable, *, causal: bool,
     # (SideStream), joined before returning; forward + backward 3-5.5% faster on the H200
     # (docs/evidence/h200_probe_attention_bwd_streams_36b08a0.log).
     side = SideStream(q.device)
-    c = cfg.backward_dq
-    descs = row_descriptors((k, v), c.block_n)
     gluon = _gluon_covers(q, k, v) and head_dim == 128  # gluon_backward.py (written for 128): warp-specialised
     if gluon:
         q, k, v, do = _aligned(q, k, v, do)
@@ -775,18 +773,20 @@ def flash_backward(do, q, k, v, out, lse, table: SequenceTable, *, causal: bool,
 
             gluon_dq(do, q, k, v, lse, delta, table, causal=causal, scale=scale, out=dq)
         else:
+            c = cfg.backward_dq
+            descs = row_descriptors((k, v), c.block_n)
             _flash_backward_dq_kernel[(triton.cdiv(max(table.max_q_count, 1), c.block_m), hq, table.num_sequences)](
                 q, k, v, *(descs or (k, v)), do, lse, delta, dq, table.info, *strides, scale * LOG2_E, scale, group,
                 head_dim, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
                 TMA=descs is not None, **common,
             )
-    c = cfg.backward_dkdv
-    descs = row_descriptors((q, do), c.block_m)
     if gluon:  # flash.py's tiles and order per key block: its dK/dV bits (equal on the H200)
         from rl_engine.kernels.ops.triton.attention.gluon_backward import gluon_dkdv
 
         gluon_dkdv(do, q, k, v, lse, delta, table, causal=causal, scale=scale, out=(dk, dv))
     else:
+        c = cfg.backward_dkdv
+        descs = row_descriptors((q, do), c.block_m)
         _flash_backward_dkdv_kernel[(triton.cdiv(max(table.max_kv_len, 1), c.block_n), hkv, table.num_sequences)](
             q, k, v, *(descs or (q, do)), do, lse, delta, dk, dv, table.info, *strides, scale * LOG2_E, scale, group,
             head_dim, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
