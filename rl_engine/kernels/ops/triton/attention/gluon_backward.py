@@ -7,7 +7,7 @@ TMA. A consumer issues block j's s = q·kᵀ and dp = dO·vᵀ together with blo
 j's ds while that runs. Per row it is flash.py's `_dq_block`, block after block in the same order.
 
 dK/dV: per CTA two 64-key tiles of one sequence and KV head (K and V in shared memory), one per consumer, and a
-producer streaming Q and dO blocks of 32 queries for each head of the group in order, with their LSE and delta
+producer streaming Q and dO blocks of 64 queries for each head of the group in order, with their LSE and delta
 (as FA3 does: a consumer that loaded them itself waited on global memory at every block, and held their
 addresses in spilled registers). Per block it is flash.py's `_dkdv_block` (sᵀ = k·qᵀ and dpᵀ = v·dOᵀ, then
 dv += pᵀ·dO and dk += dsᵀ·q), over flash.py's query ranges.
@@ -21,7 +21,8 @@ Measured on the H200 (torch 2.11, Triton 3.6; B·S = 16k, 32/8 heads, causal, AB
 docs/evidence/h200_probe_gluon_all_60e5608.log): dq, dk, dv equal to the Triton kernels' at S = 2k / 4k / 8k (and
 full at 4k); the whole backward 2.15 / 4.07 / 7.55 ms vs 2.61 / 4.51 / 8.25 (dQ alone 0.73 / 1.32 / 2.44 ms, dK/dV alone
 1.56 / 2.86 / 5.40; SDPA's cuDNN backward 1.81 / 3.14 / 5.69). LSE and delta through the ring took dK/dV alone to
-1.24 / 2.29 / 4.42 ms (4.13 vs 5.32 without a mask), the same bits (h200_probe_dkdv_lse_ring.log).
+1.24 / 2.29 / 4.42 ms (4.13 vs 5.32 without a mask), the same bits (h200_probe_dkdv_lse_ring.log), and 64-query
+blocks to 1.14 / 2.05 / 3.88 (3.57 without a mask; h200_probe_dkdv64_ring.log).
 """
 
 from __future__ import annotations
@@ -49,9 +50,11 @@ from rl_engine.kernels.ops.triton.attention.gluon_forward import (
 )
 
 CONSUMERS, STAGES, REGS = 2, 4, 240  # a consumer holds block j-1 (its dq product in flight) and block j
-# dK/dV: 32-query blocks, flash.py's dK/dV tile (64-query blocks: 2 KB of spills a thread, sm_90a compile);
-# two 64-key tiles (K, V), a 4-deep (Q, dO, LSE, delta) ring and each consumer's zeroed tail copies: 161 KiB.
-DKDV_BLOCK_Q, DKDV_STAGES = 32, 4
+# dK/dV: 64-query blocks, two of flash.py's 32-query blocks (the same k16 products in the same order: its bits); with
+# LSE and delta in the ring they spill 284-436 bytes (1.3-1.6 KB before), and run 8-12% faster than 32-query blocks
+# (H200, h200_probe_dkdv64_ring.log). Two 64-key tiles (K, V), a 2-deep (Q, dO, LSE, delta) ring and each consumer's
+# zeroed tail copies: 193 KiB.
+DKDV_BLOCK_Q, DKDV_STAGES = 64, 2
 NO_WINDOW_C = gl.constexpr(NO_WINDOW)
 ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # a block's LSE or delta row
 
