@@ -44,7 +44,11 @@ from rl_engine.kernels.ops.triton.attention.gluon_forward import (
     BLOCK_M,
     _drain,
     _last_product,
+    _or_drain,
     _producer,
+    _query_tiles_start,
+    _ring_range,
+    _sequence,
     _tile_blocks,
     check_rows,
 )
@@ -159,25 +163,13 @@ def gluon_dq_kernel(desc_q, desc_do, desc_k, desc_v, DQ, LSE, DELTA, SEQ_INFO,
     # grid (cdiv(max q_count, 128), Hq, sequences), the heaviest CTAs first; under a causal mask aligned to
     # the sequence's end, as the forward's (a row's dq does not depend on where its tile starts).
     head = gl.program_id(1)
-    info = SEQ_INFO + gl.program_id(2) * 6
-    q_row0 = gl.load(info + 0)
-    q_count = gl.load(info + 1)
-    q_pos0 = gl.load(info + 2)
-    k_row0 = gl.load(info + 3)
-    kv_len = gl.load(info + 4)
-    window = gl.load(info + 5)
-    if CAUSAL:
-        first_q = q_count - (gl.program_id(0) + 1) * 2 * BLOCK_M
-    else:
-        first_q = (gl.num_programs(0) - 1 - gl.program_id(0)) * 2 * BLOCK_M
+    q_row0, q_count, q_pos0, k_row0, kv_len, window = _sequence(SEQ_INFO)
+    first_q = _query_tiles_start(q_count, 2 * BLOCK_M, CAUSAL)
     lo0, mid0, hi0 = _tile_blocks(q_pos0, first_q, q_count, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
     lo1, mid1, hi1 = _tile_blocks(q_pos0, first_q + BLOCK_M, q_count, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
-    big: gl.constexpr = 1 << 30
-    glo = gl.minimum(gl.where(hi0 > lo0, lo0, big), gl.where(hi1 > lo1, lo1, big))
-    ghi = gl.maximum(hi0, hi1)
-    glo = gl.minimum(glo, ghi)
-    lo0, mid0, hi0 = gl.where(hi0 > lo0, lo0, glo), gl.where(hi0 > lo0, mid0, glo), gl.where(hi0 > lo0, hi0, glo)
-    lo1, mid1, hi1 = gl.where(hi1 > lo1, lo1, glo), gl.where(hi1 > lo1, mid1, glo), gl.where(hi1 > lo1, hi1, glo)
+    glo, ghi = _ring_range(lo0, hi0, lo1, hi1, lo1, hi1)
+    lo0, mid0, hi0 = _or_drain(lo0, mid0, hi0, glo)
+    lo1, mid1, hi1 = _or_drain(lo1, mid1, hi1, glo)
     q_col = head * HEAD_DIM
     kv_col = (head // group) * HEAD_DIM
 
@@ -377,28 +369,16 @@ def gluon_dkdv_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, DK,
                       CAUSAL: gl.constexpr, REGS: gl.constexpr):
     # grid (cdiv(max kv_len, 128), Hkv, sequences): under a causal mask the first key blocks do the most work.
     kv_head = gl.program_id(1)
-    info = SEQ_INFO + gl.program_id(2) * 6
-    q_row0 = gl.load(info + 0)
-    q_count = gl.load(info + 1)
-    q_pos0 = gl.load(info + 2)
-    k_row0 = gl.load(info + 3)
-    kv_len = gl.load(info + 4)
-    window = gl.load(info + 5)
+    q_row0, q_count, q_pos0, k_row0, kv_len, window = _sequence(SEQ_INFO)
     start_n = gl.program_id(0) * 2 * BLOCK_N
     lo0, mid0, full0, hi0 = _dkdv_ranges(start_n, q_pos0, q_count, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
     lo1, mid1, full1, hi1 = _dkdv_ranges(start_n + BLOCK_N, q_pos0, q_count, kv_len, window, CAUSAL, BLOCK_M,
                                          BLOCK_N)
-    big: gl.constexpr = 1 << 30
-    glo = gl.minimum(gl.where(hi0 > lo0, lo0, big), gl.where(hi1 > lo1, lo1, big))
-    ghi = gl.maximum(hi0, hi1)
-    glo = gl.minimum(glo, ghi)
-    # A tile without query blocks drains the whole ring.
-    e0 = hi0 > lo0
-    lo0, mid0, full0, hi0 = (gl.where(e0, lo0, glo), gl.where(e0, mid0, glo), gl.where(e0, full0, glo),
-                             gl.where(e0, hi0, glo))
-    e1 = hi1 > lo1
-    lo1, mid1, full1, hi1 = (gl.where(e1, lo1, glo), gl.where(e1, mid1, glo), gl.where(e1, full1, glo),
-                             gl.where(e1, hi1, glo))
+    glo, ghi = _ring_range(lo0, hi0, lo1, hi1, lo1, hi1)
+    full0 = gl.where(hi0 > lo0, full0, glo)  # _or_drain's, for the fourth bound
+    full1 = gl.where(hi1 > lo1, full1, glo)
+    lo0, mid0, hi0 = _or_drain(lo0, mid0, hi0, glo)
+    lo1, mid1, hi1 = _or_drain(lo1, mid1, hi1, glo)
     kv_col = kv_head * HEAD_DIM
 
     k0 = gl.allocate_shared_memory(desc_k.dtype, desc_k.block_type.shape, desc_k.layout)

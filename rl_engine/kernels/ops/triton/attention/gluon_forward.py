@@ -283,6 +283,42 @@ def _tile_blocks(q_pos0, first_q, q_count, kv_len, window, CAUSAL: gl.constexpr,
 
 
 @gluon.jit
+def _sequence(SEQ_INFO):
+    """This CTA's row of flash.py's sequence table (program_id(2)): q_row0, q_count, q_pos0, k_row0, kv_len, window."""
+    info = SEQ_INFO + gl.program_id(2) * 6
+    return (gl.load(info + 0), gl.load(info + 1), gl.load(info + 2), gl.load(info + 3), gl.load(info + 4),
+            gl.load(info + 5))
+
+
+@gluon.jit
+def _query_tiles_start(q_count, TILE: gl.constexpr, CAUSAL: gl.constexpr):
+    """The first query of this CTA's TILE rows (program_id(0)): the last (heaviest) tiles first, as in flash.py;
+    under a causal mask aligned to the sequence's end, so the first CTA may start before the sequence."""
+    if CAUSAL:
+        first_q = q_count - (gl.program_id(0) + 1) * TILE
+    else:
+        first_q = (gl.num_programs(0) - 1 - gl.program_id(0)) * TILE
+    return first_q
+
+
+@gluon.jit
+def _ring_range(lo0, hi0, lo1, hi1, lo2, hi2):
+    """[glo, ghi): the union of the consumers' block ranges, which the ring carries (a range lo = hi adds none)."""
+    big: gl.constexpr = 1 << 30
+    glo = gl.minimum(gl.minimum(gl.where(hi0 > lo0, lo0, big), gl.where(hi1 > lo1, lo1, big)),
+                     gl.where(hi2 > lo2, lo2, big))
+    ghi = gl.maximum(gl.maximum(hi0, hi1), hi2)
+    return gl.minimum(glo, ghi), ghi
+
+
+@gluon.jit
+def _or_drain(lo, mid, hi, glo):
+    """A consumer's ranges, or for a tile without blocks the empty range at glo: it drains the whole ring."""
+    some = hi > lo
+    return gl.where(some, lo, glo), gl.where(some, mid, glo), gl.where(some, hi, glo)
+
+
+@gluon.jit
 def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_INFO,
                          stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, group,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -294,32 +330,17 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
     # prefill relies on that too); its rows before the sequence are loaded (zeros or a neighbour's) and
     # never stored. H200: +2% causal, -1..2% without a mask (h200_probe_gluon_end_aligned_hd64_e81084f.log).
     head = gl.program_id(1)
-    info = SEQ_INFO + gl.program_id(2) * 6
-    q_row0 = gl.load(info + 0)
-    q_count = gl.load(info + 1)
-    q_pos0 = gl.load(info + 2)
-    k_row0 = gl.load(info + 3)
-    kv_len = gl.load(info + 4)
-    window = gl.load(info + 5)
-    if CAUSAL:
-        first_q = q_count - (gl.program_id(0) + 1) * CONSUMERS * BLOCK_M
-    else:
-        first_q = (gl.num_programs(0) - 1 - gl.program_id(0)) * CONSUMERS * BLOCK_M
+    q_row0, q_count, q_pos0, k_row0, kv_len, window = _sequence(SEQ_INFO)
+    first_q = _query_tiles_start(q_count, CONSUMERS * BLOCK_M, CAUSAL)
     lo0, mid0, hi0 = _tile_blocks(q_pos0, first_q, q_count, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
     lo1, mid1, hi1 = _tile_blocks(q_pos0, first_q + BLOCK_M, q_count, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
     lo2, mid2, hi2 = _tile_blocks(q_pos0, first_q + 2 * BLOCK_M, q_count, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
     if CONSUMERS == 2:  # no third tile
         lo2, mid2, hi2 = lo2 * 0, mid2 * 0, hi2 * 0
-    # The ring carries the union of the tiles' blocks (a tile without blocks adds none).
-    big: gl.constexpr = 1 << 30
-    glo = gl.minimum(gl.minimum(gl.where(hi0 > lo0, lo0, big), gl.where(hi1 > lo1, lo1, big)),
-                     gl.where(hi2 > lo2, lo2, big))
-    ghi = gl.maximum(gl.maximum(hi0, hi1), hi2)
-    glo = gl.minimum(glo, ghi)
-    # A tile without blocks drains the whole ring.
-    lo0, mid0, hi0 = gl.where(hi0 > lo0, lo0, glo), gl.where(hi0 > lo0, mid0, glo), gl.where(hi0 > lo0, hi0, glo)
-    lo1, mid1, hi1 = gl.where(hi1 > lo1, lo1, glo), gl.where(hi1 > lo1, mid1, glo), gl.where(hi1 > lo1, hi1, glo)
-    lo2, mid2, hi2 = gl.where(hi2 > lo2, lo2, glo), gl.where(hi2 > lo2, mid2, glo), gl.where(hi2 > lo2, hi2, glo)
+    glo, ghi = _ring_range(lo0, hi0, lo1, hi1, lo2, hi2)
+    lo0, mid0, hi0 = _or_drain(lo0, mid0, hi0, glo)
+    lo1, mid1, hi1 = _or_drain(lo1, mid1, hi1, glo)
+    lo2, mid2, hi2 = _or_drain(lo2, mid2, hi2, glo)
     q_col = head * HEAD_DIM
     kv_col = (head // group) * HEAD_DIM
 
