@@ -69,6 +69,14 @@ def _producer(desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col
 
 
 @gluon.jit
+def _to_bf16(x):
+    """x.to(bf16) (round to nearest even), two elements per instruction: Triton 3.6 converts one at a time with F2F,
+    which issues on the MUFU pipe beside the exp2s; cvt.rn.bf16x2.f32 is one F2FP on the ALU."""
+    return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [x], dtype=gl.bfloat16, is_pure=True,
+                                     pack=2)
+
+
+@gluon.jit
 def _softmax_block(qk, m, l, j, q_pos, k_base, kv_len, window, qk_scale, BLOCK_N: gl.constexpr,
                    MASKED: gl.constexpr, CAUSAL: gl.constexpr):
     """flash.py's `_online_softmax_block` up to the p·v product, on the wgmma accumulator layout; a masked
@@ -81,7 +89,7 @@ def _softmax_block(qk, m, l, j, q_pos, k_base, kv_len, window, qk_scale, BLOCK_N
         qk = gl.where(visible, qk, float("-inf"))
     m_new = gl.maximum(m, gl.max(qk, 1) * qk_scale)
     alpha = gl.exp2(m - m_new)
-    p_v = gl.exp2(gl.fma(qk, qk_scale, -gl.expand_dims(m_new, 1))).to(gl.bfloat16)
+    p_v = _to_bf16(gl.exp2(gl.fma(qk, qk_scale, -gl.expand_dims(m_new, 1))))
     l = l * alpha + gl.sum(p_v.to(gl.float32), 1)
     return m_new, l, p_v, alpha
 
