@@ -61,6 +61,17 @@ def test_flash_forward_routes_only_what_the_kernel_is_written_for():
         assert not routes(dtype, head_dim, capability, version)
 
 
+def test_flash_backward_routes_its_own_head_dims():
+    from rl_engine.kernels.ops.triton.attention.gluon_backward import HEAD_DIMS
+    from rl_engine.kernels.ops.triton.attention.gluon_forward import check_rows, routes
+
+    assert HEAD_DIMS == (64, 128)
+    assert [d for d in (32, 64, 96, 128, 256) if routes(torch.bfloat16, d, (9, 0), "3.6.0", HEAD_DIMS)] == [64, 128]
+    q, k = torch.zeros(192, 4, 256, dtype=torch.bfloat16), torch.zeros(192, 2, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"expected head_dim \(64, 128\)"):
+        check_rows(q, k, k.clone(), HEAD_DIMS)
+
+
 @pytest.mark.parametrize("mask, head_dim", [("causal", 128), ("full", 128), ("causal", 256)])
 def test_compiles_for_the_h200(mask, head_dim):
     from rl_engine.kernels.ops.triton.sm90 import H200_SHARED_BYTES
@@ -126,18 +137,20 @@ def test_gpu_gives_the_bits_of_the_triton_forward(monkeypatch, name, layout, spe
 COMPILE_BACKWARD = """
 import json, sys
 from rl_engine.kernels.ops.triton.attention.gluon_backward import compile_for_sm90
-k = compile_for_sm90(causal=sys.argv[1] == "causal", kernel=sys.argv[2])
+k = compile_for_sm90(causal=sys.argv[1] == "causal", kernel=sys.argv[2], head_dim=int(sys.argv[3]))
 print(json.dumps({"shared": k.metadata.shared, "warps": k.metadata.num_warps,
                   "wgmma": k.asm["ptx"].count("wgmma.mma_async")}))
 """
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("mask, kernel", [("causal", "dq"), ("full", "dq"), ("causal", "dkdv"), ("full", "dkdv")])
-def test_the_backward_kernels_compile_for_the_h200(mask, kernel):
+def test_the_backward_kernels_compile_for_the_h200(mask, kernel, head_dim):
     from rl_engine.kernels.ops.triton.sm90 import H200_SHARED_BYTES
 
     env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, "-c", COMPILE_BACKWARD, mask, kernel], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", COMPILE_BACKWARD, mask, kernel, str(head_dim)], capture_output=True,
+                          text=True,
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -173,16 +186,22 @@ def test_the_dkdv_producer_reads_every_block_start_from_an_aligned_box(rows):
         assert _first_wrong_box(unshifted, x, DKDV_BLOCK_Q) is not None
 
 
+BACKWARD_CASES = [c for c in GPU_CASES if c[7] == 128] + [
+    ("hd64_packed_splits", "packed", [2600, 900, 333, 1, 64, 191], None, 32, 8, True, 64),
+    ("hd64_left_padded", "padded", [0, 300, 1000], 1100, 8, 8, True, 64),
+    ("hd64_batch_full", "padded", None, 576, 8, 2, False, 64),
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, layout, spec, s, hq, hkv, causal, d", [c for c in GPU_CASES if c[7] == 128],
-                         ids=[c[0] for c in GPU_CASES if c[7] == 128])
+@pytest.mark.parametrize("name, layout, spec, s, hq, hkv, causal, d", BACKWARD_CASES,
+                         ids=[c[0] for c in BACKWARD_CASES])
 def test_gpu_backward_gives_the_bits_of_the_triton_backward(monkeypatch, name, layout, spec, s, hq, hkv, causal, d):
     """flash_backward with the Gluon dQ and dK/dV kernels (routed) against the same call with flash.py's own:
     the same tiles, blocks and group order, so the same bits are expected."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is written for Hopper (sm_90a)")
-    from rl_engine.kernels.ops.triton.attention import flash
-    from rl_engine.kernels.ops.triton.attention import gluon_forward as gluon_forward_module
+    from rl_engine.kernels.ops.triton.attention import flash, gluon_backward
     from rl_engine.kernels.ops.triton.attention.attention import _packed_table, _padded_table
 
     if layout == "padded":
@@ -195,7 +214,8 @@ def test_gpu_backward_gives_the_bits_of_the_triton_backward(monkeypatch, name, l
     q, k, v, do = (_bf16(rows, h, d, seed=i, device="cuda") for i, h in enumerate((hq, hkv, hkv, hq)))
     out, lse = flash.flash_forward(q, k, v, table, causal=causal, scale=d ** -0.5)
     got = flash.flash_backward(do, q, k, v, out, lse, table, causal=causal, scale=d ** -0.5)
-    monkeypatch.setattr(gluon_forward_module, "covers", lambda *args: False)  # flash.py's own kernels
+    assert flash._gluon_covers(q, k, v, backward=True), "the Gluon backward is routed for these rows"
+    monkeypatch.setattr(gluon_backward, "covers", lambda *args: False)  # flash.py's own kernels
     want = flash.flash_backward(do, q, k, v, out, lse, table, causal=causal, scale=d ** -0.5)
     for z, (q_row0, q_count, _q_pos0, k_row0, kv_len, _window) in enumerate(table.info.cpu().tolist()):
         for name, i, sl in (("dq", 0, slice(q_row0, q_row0 + q_count)), ("dk", 1, slice(k_row0, k_row0 + kv_len)),

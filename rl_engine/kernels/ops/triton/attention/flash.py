@@ -764,7 +764,7 @@ def flash_backward(do, q, k, v, out, lse, table: SequenceTable, *, causal: bool,
     # (SideStream), joined before returning; forward + backward 3-5.5% faster on the H200
     # (docs/evidence/h200_probe_attention_bwd_streams_36b08a0.log).
     side = SideStream(q.device)
-    gluon = _gluon_covers(q, k, v) and head_dim == 128  # gluon_backward.py (written for 128): warp-specialised
+    gluon = _gluon_covers(q, k, v, backward=True)  # gluon_backward.py: warp-specialised
     if gluon:
         q, k, v, do = _aligned(q, k, v, do)
     with side:
@@ -796,14 +796,14 @@ def flash_backward(do, q, k, v, out, lse, table: SequenceTable, *, causal: bool,
     return dq, dk, dv
 
 
-def _gluon_covers(q, k, v) -> bool:
+def _gluon_covers(q, k, v, backward: bool = False) -> bool:
     """Whether the Gluon kernels (Hopper, Triton 3.6, bf16; gluon_forward.py head_dim 128 and 256,
-    gluon_backward.py 128) take these CUDA rows; imported late, as they import Gluon."""
+    gluon_backward.py 64 and 128) take these CUDA rows; imported late, as they import Gluon."""
     if interpreting() or not q.is_cuda:
         return False
-    from rl_engine.kernels.ops.triton.attention import gluon_forward
+    from rl_engine.kernels.ops.triton.attention import gluon_backward, gluon_forward
 
-    return gluon_forward.covers(q, k, v)
+    return (gluon_backward if backward else gluon_forward).covers(q, k, v)
 
 
 def _aligned(*rows):

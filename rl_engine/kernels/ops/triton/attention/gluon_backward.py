@@ -52,7 +52,9 @@ from rl_engine.kernels.ops.triton.attention.gluon_forward import (
     _tile_blocks,
     check_rows,
 )
+from rl_engine.kernels.ops.triton.attention.gluon_forward import covers as _covers
 
+HEAD_DIMS = (64, 128)  # flash.py's backward tiles are the same at both (64-row dQ, 32x64 dK/dV blocks)
 CONSUMERS, STAGES, REGS = 2, 4, 240  # a consumer holds block j-1 (its dq product in flight) and block j
 # dK/dV: 64-query blocks, two of flash.py's 32-query blocks (the same k16 products in the same order: its bits); with
 # LSE and delta in the ring they spill 284-436 bytes (1.3-1.6 KB before), and run 8-12% faster than 32-query blocks
@@ -420,6 +422,11 @@ def gluon_dkdv_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, DK,
     ], [4, 1], [REGS, 24])
 
 
+def covers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """gluon_forward.covers for this backward's head dims."""
+    return _covers(q, k, v, HEAD_DIMS)
+
+
 def _descriptor(x, block_rows):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -452,7 +459,7 @@ def gluon_dq(do, q, k, v, lse, delta, table, *, causal: bool, scale: float, out=
     """flash.py's dQ kernel's contract (dO, q [R,Hq,D]; k, v [Rk,Hkv,D] bf16 rows; lse, delta [R,Hq] fp32; a
     SequenceTable) -> dq [R,Hq,D], written into `out` when given (flash_backward allocates it on its own
     stream, before the side stream runs this); rows no sequence covers are left as they were."""
-    check_rows(q, k, v)
+    check_rows(q, k, v, HEAD_DIMS)
     if do.shape != q.shape or not do.is_contiguous() or do.dtype != q.dtype:
         raise ValueError(f"do: expected contiguous {q.dtype} rows {tuple(q.shape)}, got {tuple(do.shape)}")
     rows, hq, d = q.shape
@@ -471,7 +478,7 @@ def gluon_dq(do, q, k, v, lse, delta, table, *, causal: bool, scale: float, out=
 def gluon_dkdv(do, q, k, v, lse, delta, table, *, causal: bool, scale: float, out=None):
     """flash.py's dK/dV kernel's contract (the arguments of `gluon_dq`) -> (dk, dv) [Rk,Hkv,D], written into
     `out` = (dk, dv) when given; rows no sequence covers are left as they were."""
-    check_rows(q, k, v)
+    check_rows(q, k, v, HEAD_DIMS)
     rows, hq, d = q.shape
     dk, dv = (torch.empty_like(k), torch.empty_like(v)) if out is None else out
     if table.num_sequences == 0 or rows == 0:
@@ -485,9 +492,9 @@ def gluon_dkdv(do, q, k, v, lse, delta, table, *, causal: bool, scale: float, ou
     return dk, dv
 
 
-def compile_for_sm90(causal: bool, kernel: str = "dq"):
+def compile_for_sm90(causal: bool, kernel: str = "dq", head_dim: int = 128):
     """A kernel ("dq" or "dkdv") compiled for sm_90a with no GPU present, bound to stand-ins of a B·S = 8192,
-    32/8-head problem, head_dim 128."""
+    32/8-head problem."""
     from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -497,7 +504,6 @@ def compile_for_sm90(causal: bool, kernel: str = "dq"):
 
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
-    head_dim = 128
     block_n = attention_config(torch.bfloat16, head_dim).backward_dq.block_n
 
     def desc(rows, heads):

@@ -404,10 +404,12 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
         ], [4, 4, 1], [REGS, REGS, 24])
 
 
-def routes(dtype: torch.dtype, head_dim: int, capability: tuple[int, int], triton_version: str) -> bool:
-    """Whether flash_forward's launch goes here: what this kernel is written for (Gluon's API moves
-    between Triton releases)."""
-    return (dtype == torch.bfloat16 and head_dim in SHAPES and capability == (9, 0)
+def routes(dtype: torch.dtype, head_dim: int, capability: tuple[int, int], triton_version: str,
+           head_dims=tuple(SHAPES)) -> bool:
+    """Whether a launch goes to a Gluon kernel written for `head_dims` (this forward's by default; the
+    backward's are gluon_backward.HEAD_DIMS): bf16 on sm_90 under Triton 3.6 (Gluon's API moves between
+    Triton releases)."""
+    return (dtype == torch.bfloat16 and head_dim in head_dims and capability == (9, 0)
             and triton_version.startswith("3.6."))
 
 
@@ -416,23 +418,25 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def covers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def covers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims=tuple(SHAPES)) -> bool:
     """routes(...) for these CUDA rows: by dtype, head_dim and device only, never by layout or alignment, so
     every batch of a run takes the same kernels (whose bits equal flash.py's: the gpu tests check it). The caller
     hands over 16-byte aligned rows (TMA descriptors need them): flash.py copies the others."""
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return routes(q.dtype, q.shape[2], _capability(index), triton.__version__) and k.dtype == v.dtype == q.dtype
+    return (routes(q.dtype, q.shape[2], _capability(index), triton.__version__, head_dims)
+            and k.dtype == v.dtype == q.dtype)
 
 
-def check_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """ValueError (one line) for what this kernel does not cover yet: rows [R,H,D] as flash.py takes them."""
+def check_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims=tuple(SHAPES)) -> None:
+    """ValueError (one line) for what a kernel written for `head_dims` does not cover: rows [R,H,D] as flash.py
+    takes them."""
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape:
         raise ValueError(f"q, k, v: expected rows [R,H,D] with k and v alike, got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
     if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in (q, k, v)):
         raise ValueError("q, k, v: expected contiguous bf16 rows")
-    if q.shape[2] not in SHAPES or k.shape[2] != q.shape[2] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"q, k: expected head_dim {tuple(SHAPES)} and Hq a multiple of Hkv; got {tuple(q.shape)} and "
+    if q.shape[2] not in head_dims or k.shape[2] != q.shape[2] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q, k: expected head_dim {head_dims} and Hq a multiple of Hkv; got {tuple(q.shape)} and "
                          f"{tuple(k.shape)}")
 
 
