@@ -1,5 +1,5 @@
 """The attention backward on Hopper in Gluon (Triton 3.6), warp-specialised as the forward is
-(gluon_forward.py): flash_backward runs these for bf16 head_dim 128 on sm_90 (dQ on its side stream).
+(gluon_forward.py): flash_backward runs these for bf16 head_dim 64 and 128 on sm_90 (dQ on its side stream).
 
 dQ: per CTA two 64-row query tiles of one sequence and head (Q and dO in shared memory), each on its own
 consumer warpgroup, and the forward's 1-warp producer streaming the union of their K/V blocks (64 keys) by
@@ -22,7 +22,9 @@ docs/evidence/h200_probe_gluon_all_60e5608.log): dq, dk, dv equal to the Triton 
 full at 4k); the whole backward 2.15 / 4.07 / 7.55 ms vs 2.61 / 4.51 / 8.25 (dQ alone 0.73 / 1.32 / 2.44 ms, dK/dV alone
 1.56 / 2.86 / 5.40; SDPA's cuDNN backward 1.81 / 3.14 / 5.69). LSE and delta through the ring took dK/dV alone to
 1.24 / 2.29 / 4.42 ms (4.13 vs 5.32 without a mask), the same bits (h200_probe_dkdv_lse_ring.log), and 64-query
-blocks to 1.14 / 2.05 / 3.88 (3.57 without a mask; h200_probe_dkdv64_ring.log).
+blocks to 1.14 / 2.05 / 3.88 (3.57 without a mask; h200_probe_dkdv64_ring.log). At head_dim 64 (flash.py's
+backward tiles are 128's), the same bits, the whole backward 1.18 / 2.10 / 3.85 ms vs flash.py's 1.50 / 2.68 / 4.97
+(3.65 vs 5.47 without a mask; h200_probe_gluon_backward_hd64.log).
 """
 
 from __future__ import annotations
