@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import re
 import sys
 
@@ -266,7 +267,25 @@ def _summary(kernel, registers: bool = False) -> dict:
                "ftz_fma": len(re.findall(r"\bfma\.r[nmzp]\.ftz\.f32", ptx))}
     if registers:
         summary.update(ptxas_registers(ptx))
+    if summary["cubin"]:
+        # single_bf16_cvt: fp32 -> bf16 conversions one element at a time in the machine code (F2F, on the MUFU
+        # pipe beside attention's exp2s), where the paired F2FP (cvt.rn.bf16x2.f32) rounds the same.
+        summary["single_bf16_cvt"] = len(re.findall(r"\bF2F\.BF16\.F32\b", sass(kernel.asm["cubin"])))
     return summary
+
+
+def sass(cubin: bytes) -> str:
+    """The machine code of a cubin, as text (nvdisasm beside Triton's ptxas)."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    nvdisasm = os.path.join(os.path.dirname(get_ptxas(90).path), "nvdisasm")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
 
 
 def ptxas_registers(ptx: str) -> dict:

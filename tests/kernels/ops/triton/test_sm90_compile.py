@@ -48,6 +48,23 @@ def test_attention_compiles_for_the_h200(report, kind, case):
     assert result["shared"] <= H200_SHARED_BYTES, result
     if case.startswith("bf16") and int(case.split("/")[1]) >= 64 and kind != "combine" and _mma_rows(kind, case) >= 64:
         assert result["wgmma"] > 0, "bf16 tiles of 64 rows should reach Hopper's asynchronous tensor-core MMA"
+    if case.startswith("bf16") and kind in ("forward", "forward_partial"):
+        assert result["single_bf16_cvt"] == 0, "p rounded to bf16 one element at a time (F2F): cast_rne_paired"
+
+
+def test_the_single_cvt_count_sees_p_rounded_one_at_a_time():
+    # Planted: the forward's p rounded by cast_rne (Triton's one-at-a-time conversion) instead of cast_rne_paired.
+    code = (
+        "import json, unittest.mock as m, torch\n"
+        "from rl_engine.kernels.ops.triton import sm90\n"
+        "from rl_engine.kernels.ops.triton.attention import flash\n"
+        "with m.patch.object(flash, 'cast_rne_paired', flash.cast_rne):\n"
+        "    print(json.dumps(sm90._summary(sm90.compile_attention('forward', torch.bfloat16, 64))))\n"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["single_bf16_cvt"] > 0
 
 
 def _mma_rows(kind: str, case: str) -> int:

@@ -69,6 +69,7 @@ import triton.language as tl
 from rl_engine.kernels.ops.triton.runtime import (
     SideStream,
     cast_rne,
+    cast_rne_paired,
     dot_fp32,
     dot_precision,
     ensure_cuda_context,
@@ -260,7 +261,7 @@ def _online_softmax_block(q, k, v, m, l, acc, visible, qk_scale, kv_base: tl.con
     p = tl.math.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
     # p is rounded to the value dtype for the product (tensor-core operands); l sums the same
     # rounded weights, so that out = Σ p̃·v / Σ p̃ stays a weighted mean of v (halves bf16 error).
-    p_v = cast_rne(p, kv_base)
+    p_v = cast_rne_paired(p, kv_base)
     l = l * alpha + tl.sum(p_v.to(tl.float32), 1)
     if DOT_FP32:
         p_v = p_v.to(tl.float32)
