@@ -444,10 +444,10 @@ def shifted_rows(x: torch.Tensor) -> torch.Tensor:
     of a packed batch starts on any row, so the copy is kept four times, shifted by 0-3 rows: row k·Hq + h, columns
     [r - k, r - k + n) with k = r % 4 (R' = R rounded up to 4: TMA needs 16-byte row strides)."""
     rows, heads = x.shape
-    t = torch.empty((4 * heads, triton.cdiv(rows, 4) * 4), dtype=x.dtype, device=x.device)
-    for k in range(4):
-        t[k * heads:(k + 1) * heads, :max(rows - k, 0)] = x[k:].t()
-    return t
+    cols = triton.cdiv(rows, 4) * 4
+    padded = torch.nn.functional.pad(x, (0, 0, 0, cols + 3 - rows))  # rows past R read as zeros (masked anyway)
+    # One copy (two launches, not eight): copy k's element [h, c] is padded[c + k, h].
+    return padded.as_strided((4, heads, cols), (heads, 1, heads)).contiguous().view(4 * heads, cols)
 
 
 def _row_descriptor(x):
