@@ -73,7 +73,8 @@ def _producer(desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col
 @gluon.jit
 def _to_bf16(x):
     """x.to(bf16) (round to nearest even), two elements per instruction: Triton 3.6 converts one at a time with F2F,
-    which issues on the MUFU pipe beside the exp2s; cvt.rn.bf16x2.f32 is one F2FP on the ALU."""
+    which issues on the MUFU pipe beside the exp2s; cvt.rn.bf16x2.f32 is one F2FP on the ALU. runtime.cast_rne_paired
+    is the same instruction for flash.py (Triton's dialect; Gluon's inline_asm_elementwise is its own)."""
     return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [x], dtype=gl.bfloat16, is_pure=True,
                                      pack=2)
 
