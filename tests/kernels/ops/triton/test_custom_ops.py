@@ -9,7 +9,12 @@ import torch
 from rl_engine.kernels.ops.triton.activation.silu import _silu_fake, silu, silu_backward_op, silu_op
 from rl_engine.kernels.ops.triton.activation.swiglu import swiglu, swiglu_backward_op, swiglu_op
 from rl_engine.kernels.ops.triton.attention.attention import triton_attention
-from rl_engine.kernels.ops.triton.attention.flash import flash_attention_backward_op, flash_attention_op, sequence_table
+from rl_engine.kernels.ops.triton.attention.flash import (
+    flash_attention,
+    flash_attention_backward_op,
+    flash_attention_op,
+    sequence_table,
+)
 from rl_engine.kernels.ops.triton.embedding.embedding import embedding, embedding_backward_op, embedding_op
 from rl_engine.kernels.ops.triton.linear.lm_head import lm_head_op
 from rl_engine.kernels.ops.triton.linear.matmul import batch_invariant_mm_op, triton_matmul
@@ -103,6 +108,20 @@ def _cases():
 @pytest.mark.parametrize("name, op, args", _cases(), ids=[c[0] for c in _cases()])
 def test_opcheck(name, op, args):
     torch.library.opcheck(op, tuple(map(_on_device, args)), test_utils=CHECKS)
+
+
+def test_eager_attention_is_the_custom_op_without_its_dispatch():
+    """Eager autograd runs flash_forward / flash_backward without the custom op (host time, see flash.py): the same
+    outputs and gradients, bit for bit, as the op with its registered autograd."""
+    q, k, v = (_on_device(_randn(10, h, 16, seed=60 + i)) for i, h in enumerate((4, 2, 2)))
+    info = _table(2, 5).info.to(DEVICE)
+    grad = _on_device(_randn(10, 4, 16, seed=70, grad=False))
+    results = []
+    for fn in (lambda *a: flash_attention(*a), lambda *a: flash_attention_op(*a, 1)):
+        out, lse = fn(q, k, v, info, 5, 5, True, 0.25)
+        results.append((out, lse, *torch.autograd.grad(out, (q, k, v), grad)))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results, strict=True):
+        assert torch.equal(a, b), name
 
 
 def test_opcheck_catches_a_wrong_fake():

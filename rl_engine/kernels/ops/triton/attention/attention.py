@@ -21,7 +21,7 @@ from rl_engine.kernels.ops.triton.attention.flash import (
     NO_WINDOW,
     SequenceTable,
     default_scale,
-    flash_attention_op,
+    flash_attention,
     sequence_table,
 )
 
@@ -106,8 +106,8 @@ def triton_attention(q, k, v, *, causal: bool = True, scale: float | None = None
     _check_same_dtype(q, k, v)
     head_dim = q4.shape[3]
     rows = [t.reshape(-1, t.shape[2], t.shape[3]).contiguous() for t in (q4, k4, v4)]
-    out, _ = flash_attention_op(*rows, table.info, table.max_q_count, table.max_kv_len, causal,
-                                default_scale(head_dim, scale), 1)
+    out, _ = flash_attention(*rows, table.info, table.max_q_count, table.max_kv_len, causal,
+                             default_scale(head_dim, scale))
     return out.reshape(q.shape)
 
 

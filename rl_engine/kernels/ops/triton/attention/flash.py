@@ -866,3 +866,32 @@ def _flash_backward(ctx, d_out: torch.Tensor, _d_lse):
 
 
 flash_attention_op.register_autograd(_flash_backward, setup_context=_flash_setup_context)
+
+
+class _EagerFlashAttention(torch.autograd.Function):
+    """flash_attention_op's forward and backward without the custom op's dispatch: on the H200 (torch 2.11) the
+    custom op with its registered autograd cost ~1.3 ms of host time per forward + backward at S = 2k, head_dim
+    128, about half the GPU's 2.6 ms, and the host became the bound (docs/evidence/h200_probe_host_time.log)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, info, max_q_count, max_kv_len, causal, scale):
+        out, lse = flash_forward(q, k, v, SequenceTable(info, max_q_count, max_kv_len), causal=causal, scale=scale)
+        ctx.save_for_backward(q, k, v, info, out, lse)
+        ctx.bounds, ctx.causal, ctx.scale = (max_q_count, max_kv_len), causal, scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, _d_lse):
+        q, k, v, info, out, lse = ctx.saved_tensors
+        dq, dk, dv = flash_backward(d_out, q, k, v, out, lse, SequenceTable(info, *ctx.bounds), causal=ctx.causal,
+                                    scale=ctx.scale)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def flash_attention(q, k, v, info, max_q_count: int, max_kv_len: int, causal: bool, scale: float):
+    """(out, lse) of flash_forward, differentiable in out: traced through the custom op under torch.compile,
+    eager through `_EagerFlashAttention` (the same kernels, so the same bits)."""
+    if torch.compiler.is_compiling():
+        return flash_attention_op(q, k, v, info, max_q_count, max_kv_len, causal, scale, 1)
+    return _EagerFlashAttention.apply(q, k, v, info, max_q_count, max_kv_len, causal, scale)
