@@ -870,8 +870,9 @@ flash_attention_op.register_autograd(_flash_backward, setup_context=_flash_setup
 
 class _EagerFlashAttention(torch.autograd.Function):
     """flash_attention_op's forward and backward without the custom op's dispatch: on the H200 (torch 2.11) the
-    custom op with its registered autograd cost ~1.3 ms of host time per forward + backward at S = 2k, head_dim
-    128, about half the GPU's 2.6 ms, and the host became the bound (docs/evidence/h200_probe_host_time.log)."""
+    custom op with its registered autograd cost ~0.36 ms of host time per forward (0.69 vs 0.33 ms) and the S = 2k,
+    head_dim 128 forward + backward was host-bound: do_bench 2.65-2.99 ms a round against 2.67 replayed from a
+    CUDA graph; 2.63-2.66 through this class (docs/evidence/h200_probe_host_time.log)."""
 
     @staticmethod
     def forward(ctx, q, k, v, info, max_q_count, max_kv_len, causal, scale):
