@@ -124,6 +124,22 @@ def test_eager_attention_is_the_custom_op_without_its_dispatch():
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("mode", ["fake", "meta"])
+def test_attention_on_fake_and_meta_tensors_takes_the_custom_op(mode):
+    """Shapes without data (memory planning, meta-device init) go through the op's fake: the eager path would
+    launch kernels on tensors that have no storage."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = (torch.empty(2, 5, h, 16, device="meta") for h in (4, 2, 2))
+    if mode == "fake":
+        with FakeTensorMode() as fake:
+            q, k, v = (fake.from_tensor(torch.empty(2, 5, h, 16)).requires_grad_() for h in (4, 2, 2))
+            out = triton_attention(q, k, v)
+    else:
+        out = triton_attention(q, k, v)
+    assert out.shape == q.shape and out.dtype == q.dtype
+
+
 def test_opcheck_catches_a_wrong_fake():
     """A fake that disagrees with the kernel (here: dtype) fails the fake-tensor check."""
     args = (_on_device(_randn(2, 5, 8, seed=1)),)

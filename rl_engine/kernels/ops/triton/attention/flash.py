@@ -891,8 +891,9 @@ class _EagerFlashAttention(torch.autograd.Function):
 
 
 def flash_attention(q, k, v, info, max_q_count: int, max_kv_len: int, causal: bool, scale: float):
-    """(out, lse) of flash_forward, differentiable in out: traced through the custom op under torch.compile,
-    eager through `_EagerFlashAttention` (the same kernels, so the same bits)."""
-    if torch.compiler.is_compiling():
+    """(out, lse) of flash_forward, differentiable in out: eager on plain tensors through `_EagerFlashAttention`
+    (the same kernels, so the same bits); traced by torch.compile, on meta tensors or tensor subclasses (FakeTensor,
+    DTensor), through the custom op, whose fake and dispatch they know."""
+    if torch.compiler.is_compiling() or type(q) is not torch.Tensor or q.is_meta:
         return flash_attention_op(q, k, v, info, max_q_count, max_kv_len, causal, scale, 1)
     return _EagerFlashAttention.apply(q, k, v, info, max_q_count, max_kv_len, causal, scale)
