@@ -53,7 +53,8 @@ BLOCK_M = 64  # rows per consumer warpgroup; keys per block are flash.py's forwa
 # (h200_probe_gluon_all_60e5608.log): at head_dim 128 three consumers beat two (the 4-deep ring, 240 registers: 8-10%
 # slower) and FA3's ping-pong of two consumers' MMA issue gained nothing (deleted); ring depth 2 / 3 / 4 within 2%.
 # Head_dim 64 (any of those forms) was 10-13% slower than flash.py's kernel while both rounded p one element at a
-# time; NOT YET MEASURED with both rounding two at a time (branch next-gluon-fwd-hd64: route it only if faster).
+# time; rounding two at a time, 5-6% faster at S >= 4k, 8% slower at 2k (h200_probe_flash_cvt_gluon_hd64_host.log),
+# and no other ring depth or consumer count faster (h200_probe_host_time.log).
 SHAPES = {64: (3, 3, 160), 128: (3, 3, 160), 256: (2, 4, 240)}
 
 
