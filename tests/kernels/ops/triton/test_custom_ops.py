@@ -111,13 +111,13 @@ def test_opcheck(name, op, args):
 
 
 def test_eager_attention_is_the_custom_op_without_its_dispatch():
-    """Eager autograd runs flash_forward / flash_backward without the custom op (host time, see flash.py): the same
-    outputs and gradients, bit for bit, as the op with its registered autograd."""
+    """Eager autograd runs the op's implementation and backward without its dispatch (runtime.register_autograd):
+    the same outputs and gradients, bit for bit, as the op with its registered autograd."""
     q, k, v = (_on_device(_randn(10, h, 16, seed=60 + i)) for i, h in enumerate((4, 2, 2)))
     info = _table(2, 5).info.to(DEVICE)
     grad = _on_device(_randn(10, 4, 16, seed=70, grad=False))
     results = []
-    for fn in (lambda *a: flash_attention(*a), lambda *a: flash_attention_op(*a, 1)):
+    for fn in (lambda *a: flash_attention(*a, 1), lambda *a: flash_attention_op(*a, 1)):
         out, lse = fn(q, k, v, info, 5, 5, True, 0.25)
         results.append((out, lse, *torch.autograd.grad(out, (q, k, v), grad)))
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results, strict=True):

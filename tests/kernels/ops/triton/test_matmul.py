@@ -21,7 +21,7 @@ from rl_engine.kernels.ops.triton.linear.matmul import (
     MatmulConfig,
     matmul_config,
 )
-from rl_engine.kernels.ops.triton.runtime import dot_fp32
+from rl_engine.kernels.ops.triton.runtime import dot_fp32, register_autograd
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Both kernels, whatever the fixed table picks on this machine: pointer loads and TMA descriptors.
@@ -202,11 +202,15 @@ def test_gradient_check_catches_a_wrong_backward():
 
     a, b = _randn(1, 7, 48, dtype=torch.float32, seed=20), _randn(48, 40, dtype=torch.float32, seed=21)
     g = _randn(1, 7, 40, dtype=torch.float32, seed=22)
-    module.batch_invariant_mm_op.register_autograd(bad_backward, setup_context=module._mm_setup_context)
+    real = module.batch_invariant_mm_autograd
+    module.batch_invariant_mm_autograd = register_autograd(module.batch_invariant_mm_op, bad_backward,
+                                                           module._mm_setup_context)
     try:
         _, (ga, _) = _grads(lambda a, b: TritonMatmulOp()(a=a, b=b), a, b, grad_out=g)
     finally:
-        module.batch_invariant_mm_op.register_autograd(module._mm_backward, setup_context=module._mm_setup_context)
+        module.batch_invariant_mm_autograd = register_autograd(module.batch_invariant_mm_op, module._mm_backward,
+                                                               module._mm_setup_context)
+    assert module.batch_invariant_mm_autograd is not real
     _, (ra, _) = _grads(lambda a, b: NativeMatmulOp()(a=a, b=b), a, b, grad_out=g)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(ga, ra, atol=1e-5, rtol=1e-5)
@@ -232,22 +236,23 @@ def test_registered_as_torch_custom_ops():
 
 
 @pytest.fixture
-def custom_op_calls(monkeypatch):
-    """Records every call of the matmul and lm_head torch custom ops made by the functional entries."""
+def autograd_calls(monkeypatch):
+    """Records every differentiable call (runtime.register_autograd's) of matmul and lm_head made by the functional
+    entries."""
     from rl_engine.kernels.ops.triton.linear import lm_head as lm_head_module
     from rl_engine.kernels.ops.triton.linear import matmul as matmul_module
 
     calls = []
-    for module, name in [(matmul_module, "batch_invariant_mm_op"), (lm_head_module, "lm_head_op")]:
+    for module, name in [(matmul_module, "batch_invariant_mm_autograd"), (lm_head_module, "lm_head_autograd")]:
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *args, real=real, name=name: calls.append(name) or real(*args))
     return calls
 
 
 @pytest.mark.parametrize("which", ["matmul", "lm_head"])
-def test_custom_op_only_where_autograd_needs_it(which, custom_op_calls):
-    """Without autograd the GEMM is called directly (the op's dispatch is pure host cost), with the
-    same bits; with an input needing a gradient the op runs and the result has a backward."""
+def test_autograd_only_where_it_is_needed(which, autograd_calls):
+    """Without autograd the GEMM is called directly (autograd's wrapping is pure host cost), with the
+    same bits; with an input needing a gradient the differentiable call runs and the result has a backward."""
     x = _randn(2, 5, 48, dtype=torch.bfloat16, seed=29)
     w = _randn(40, 48, dtype=torch.bfloat16, seed=30)
     op = (
@@ -256,13 +261,13 @@ def test_custom_op_only_where_autograd_needs_it(which, custom_op_calls):
         else (lambda x, w: TritonLmHeadOp()(hidden=x, weight=w))
     )
     direct = op(x, w)
-    assert custom_op_calls == []
+    assert autograd_calls == []
     with torch.no_grad():
         op(x, w.requires_grad_(True))
-    assert custom_op_calls == []
+    assert autograd_calls == []
     through_op = op(x, w)
-    assert len(custom_op_calls) == 1 and through_op.grad_fn is not None
-    assert_bitwise(direct, through_op.detach(), f"{which}: direct call vs custom op")
+    assert len(autograd_calls) == 1 and through_op.grad_fn is not None
+    assert_bitwise(direct, through_op.detach(), f"{which}: direct call vs differentiable call")
 
 
 def test_lm_head_and_input_gradient_rows_are_batch_invariant():

@@ -1,3 +1,4 @@
+import functools
 import os
 import subprocess
 import sys
@@ -52,3 +53,42 @@ def test_check_op_reports_the_pairing_in_one_line_and_exits_2():
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert "Triton 3.6.0's CPU interpreter (TRITON_INTERPRET=1) fails with numpy 2.4.1" in lines[0]
+
+
+@functools.cache  # a custom op's name registers once per process
+def _toy_op():
+    """y = 3x as a custom op whose autograd goes through runtime.register_autograd."""
+    import torch
+
+    @torch.library.custom_op("rl_engine_test::triple", mutates_args=())
+    def triple_op(x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+    triple_op.register_fake(lambda x: torch.empty_like(x))
+
+    def setup_context(ctx, inputs, output):
+        pass
+
+    def backward(ctx, grad):
+        return grad * 3
+
+    return runtime.register_autograd(triple_op, backward, setup_context)
+
+
+def test_register_autograd_takes_the_function_on_plain_tensors_and_the_op_otherwise():
+    """Plain tensors: the eager Function (no custom-op dispatch), with the op's own forward and backward; meta
+    tensors and FakeTensors: the custom op's registered autograd, which knows their shapes."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    triple = _toy_op()
+    x = torch.arange(4.0, requires_grad=True)
+    y = triple(x)
+    assert type(y.grad_fn).__name__.startswith("Eager_triple_op")
+    (g,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(y.detach(), x.detach() * 3) and torch.equal(g, torch.full((4,), 3.0))
+    meta = triple(torch.empty(4, device="meta", requires_grad=True))
+    assert "GeneratedBackwardFor" in type(meta.grad_fn).__name__
+    with FakeTensorMode() as mode:
+        fake = triple(mode.from_tensor(torch.empty(4)).requires_grad_())
+    assert "GeneratedBackwardFor" in type(fake.grad_fn).__name__ and fake.shape == (4,)

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from rl_engine.kernels.ops.pytorch.activation.silu import NativeSiluOp
 from rl_engine.kernels.ops.pytorch.base import expect_float
-from rl_engine.kernels.ops.triton.runtime import cast_rne, needs_custom_op
+from rl_engine.kernels.ops.triton.runtime import cast_rne, needs_autograd, register_autograd
 
 # Elements per program and warps: fixed, so a tensor's bits never depend on its size.
 BLOCK = 4096
@@ -88,15 +88,15 @@ def _silu_backward(ctx, dy: torch.Tensor):
     return silu_backward_op(dy, x)
 
 
-silu_op.register_autograd(_silu_backward, setup_context=_silu_setup_context)
+silu_autograd = register_autograd(silu_op, _silu_backward, _silu_setup_context)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     """x · sigmoid(x) for any shape; returns x's dtype."""
     expect_float("x", x, "of any shape")
-    if not needs_custom_op(x):
+    if not needs_autograd(x):
         return silu_forward(x.contiguous())
-    return silu_op(x)
+    return silu_autograd(x)
 
 
 class TritonSiluOp:

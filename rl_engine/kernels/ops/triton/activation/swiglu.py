@@ -13,7 +13,7 @@ import triton.language as tl
 
 from rl_engine.kernels.ops.pytorch.activation.swiglu import NativeSwigluOp
 from rl_engine.kernels.ops.pytorch.base import expect_float
-from rl_engine.kernels.ops.triton.runtime import cast_rne, needs_custom_op
+from rl_engine.kernels.ops.triton.runtime import cast_rne, needs_autograd, register_autograd
 
 # Elements per program and warps: fixed, so a tensor's bits never depend on its size.
 BLOCK = 4096
@@ -96,7 +96,7 @@ def _swiglu_backward(ctx, dy: torch.Tensor):
     return swiglu_backward_op(dy, gate, up)
 
 
-swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup_context)
+swiglu_autograd = register_autograd(swiglu_op, _swiglu_backward, _swiglu_setup_context)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -105,9 +105,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"up: expected the shape of gate {tuple(gate.shape)}, got {tuple(up.shape)}")
     expect_float("gate", gate, "of any shape")
     expect_float("up", up, "of gate's shape")
-    if not needs_custom_op(gate, up):
+    if not needs_autograd(gate, up):
         return swiglu_forward(gate.contiguous(), up.contiguous())
-    return swiglu_op(gate, up)
+    return swiglu_autograd(gate, up)
 
 
 class TritonSwigluOp:

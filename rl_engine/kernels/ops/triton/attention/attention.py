@@ -107,7 +107,7 @@ def triton_attention(q, k, v, *, causal: bool = True, scale: float | None = None
     head_dim = q4.shape[3]
     rows = [t.reshape(-1, t.shape[2], t.shape[3]).contiguous() for t in (q4, k4, v4)]
     out, _ = flash_attention(*rows, table.info, table.max_q_count, table.max_kv_len, causal,
-                             default_scale(head_dim, scale))
+                             default_scale(head_dim, scale), 1)
     return out.reshape(q.shape)
 
 

@@ -75,6 +75,7 @@ from rl_engine.kernels.ops.triton.runtime import (
     ensure_cuda_context,
     host_descriptor,
     interpreting,
+    register_autograd,
 )
 
 LOG2_E = 1.4426950408889634
@@ -865,35 +866,5 @@ def _flash_backward(ctx, d_out: torch.Tensor, _d_lse):
     return dq, dk, dv, None, None, None, None, None, None
 
 
-flash_attention_op.register_autograd(_flash_backward, setup_context=_flash_setup_context)
-
-
-class _EagerFlashAttention(torch.autograd.Function):
-    """flash_attention_op's forward and backward without the custom op's dispatch: on the H200 (torch 2.11) the
-    custom op with its registered autograd cost ~0.36 ms of host time per forward (0.69 vs 0.33 ms) and the S = 2k,
-    head_dim 128 forward + backward was host-bound: do_bench 2.65-2.99 ms a round against 2.67 replayed from a
-    CUDA graph; 2.63-2.66 through this class (docs/evidence/h200_probe_host_time.log)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, info, max_q_count, max_kv_len, causal, scale):
-        out, lse = flash_forward(q, k, v, SequenceTable(info, max_q_count, max_kv_len), causal=causal, scale=scale)
-        ctx.save_for_backward(q, k, v, info, out, lse)
-        ctx.bounds, ctx.causal, ctx.scale = (max_q_count, max_kv_len), causal, scale
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, d_out, _d_lse):
-        q, k, v, info, out, lse = ctx.saved_tensors
-        dq, dk, dv = flash_backward(d_out, q, k, v, out, lse, SequenceTable(info, *ctx.bounds), causal=ctx.causal,
-                                    scale=ctx.scale)
-        return dq, dk, dv, None, None, None, None, None
-
-
-def flash_attention(q, k, v, info, max_q_count: int, max_kv_len: int, causal: bool, scale: float):
-    """(out, lse) of flash_forward, differentiable in out: eager on plain tensors through `_EagerFlashAttention`
-    (the same kernels, so the same bits); traced by torch.compile, on meta tensors or tensor subclasses (FakeTensor,
-    DTensor), through the custom op, whose fake and dispatch they know."""
-    if torch.compiler.is_compiling() or type(q) is not torch.Tensor or q.is_meta:
-        return flash_attention_op(q, k, v, info, max_q_count, max_kv_len, causal, scale, 1)
-    return _EagerFlashAttention.apply(q, k, v, info, max_q_count, max_kv_len, causal, scale)
+# (out, lse) of flash_forward, differentiable in out when heads_per_tile = 1 (runtime.register_autograd).
+flash_attention = register_autograd(flash_attention_op, _flash_backward, _flash_setup_context)

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from rl_engine.kernels.ops.pytorch.embedding.embedding import NativeEmbeddingOp
-from rl_engine.kernels.ops.triton.runtime import cast_rne, needs_custom_op
+from rl_engine.kernels.ops.triton.runtime import cast_rne, needs_autograd, register_autograd
 
 
 @triton.jit
@@ -185,7 +185,7 @@ def _embedding_backward(ctx, grad_out: torch.Tensor):
     return None, embedding_backward_op(grad_out, token_ids, ctx.vocab, ctx.weight_dtype)
 
 
-embedding_op.register_autograd(_embedding_backward, setup_context=_embedding_setup_context)
+embedding_autograd = register_autograd(embedding_op, _embedding_backward, _embedding_setup_context)
 
 
 def embedding(token_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -197,11 +197,11 @@ def embedding(token_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"weight: expected shape [V,H], got {tuple(weight.shape)}")
     if token_ids.is_floating_point():
         raise ValueError(f"token_ids: expected integer ids, got dtype {token_ids.dtype}")
-    if not needs_custom_op(weight):
+    if not needs_autograd(weight):
         # Without autograd: the kernel alone, no custom op (its host cost shows at small shapes).
         out = embedding_forward(token_ids.reshape(-1).contiguous(), weight.contiguous())
         return out.reshape(*token_ids.shape, weight.shape[1])
-    return embedding_op(token_ids, weight)
+    return embedding_autograd(token_ids, weight)
 
 
 class TritonEmbeddingOp:

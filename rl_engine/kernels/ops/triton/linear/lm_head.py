@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from rl_engine.kernels.ops.pytorch.linear.lm_head import NativeLmHeadOp
-from rl_engine.kernels.ops.triton.linear.matmul import batch_invariant_mm, needs_custom_op
+from rl_engine.kernels.ops.triton.linear.matmul import batch_invariant_mm
+from rl_engine.kernels.ops.triton.runtime import needs_autograd, register_autograd
 
 
 @torch.library.custom_op("rl_engine::lm_head", mutates_args=())
@@ -38,15 +39,15 @@ def _lm_head_backward(ctx, grad_logits: torch.Tensor):
     return grad_hidden, grad_weight
 
 
-lm_head_op.register_autograd(_lm_head_backward, setup_context=_lm_head_setup_context)
+lm_head_autograd = register_autograd(lm_head_op, _lm_head_backward, _lm_head_setup_context)
 
 
 def triton_lm_head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """logits[..., V] = hidden[..., H] @ weight[V,H]^T in hidden's dtype; differentiable."""
     lead = hidden.shape[:-1]
     hidden2d = hidden.reshape(lead.numel(), hidden.shape[-1])  # not -1, ambiguous when H = 0
-    if needs_custom_op(hidden, weight):
-        logits = lm_head_op(hidden2d, weight)
+    if needs_autograd(hidden, weight):
+        logits = lm_head_autograd(hidden2d, weight)
     else:  # no autograd, no torch.compile: the GEMM alone, without the op's dispatch cost
         logits = batch_invariant_mm(hidden2d, weight.t())
     return logits.reshape(*lead, weight.shape[0])

@@ -44,7 +44,8 @@ from rl_engine.kernels.ops.triton.runtime import (
     ensure_cuda_context,
     host_descriptor,
     interpreting,
-    needs_custom_op,
+    needs_autograd,
+    register_autograd,
 )
 
 
@@ -443,13 +444,13 @@ def _mm_backward(ctx, grad_c: torch.Tensor):
     return grad_a, grad_b
 
 
-batch_invariant_mm_op.register_autograd(_mm_backward, setup_context=_mm_setup_context)
+batch_invariant_mm_autograd = register_autograd(batch_invariant_mm_op, _mm_backward, _mm_setup_context)
 
 
 def triton_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """out[..., :] = a[..., :] @ b for a of any leading shape [..., K] and b [K,N]; differentiable."""
     lead = a.shape[:-1]
-    mm = batch_invariant_mm_op if needs_custom_op(a, b) else batch_invariant_mm
+    mm = batch_invariant_mm_autograd if needs_autograd(a, b) else batch_invariant_mm
     out = mm(a.reshape(lead.numel(), a.shape[-1]), b)  # not -1, ambiguous when K = 0
     return out.reshape(*lead, b.shape[1])
 

@@ -45,6 +45,7 @@ from rl_engine.kernels.ops.triton.runtime import (
     ensure_cuda_context,
     host_descriptor,
     interpreting,
+    register_autograd,
 )
 
 
@@ -517,7 +518,7 @@ def _linear_logp_backward(ctx, grad_logp: torch.Tensor, _grad_lse):
     return grad_hidden, grad_weight, None, grad_bias
 
 
-linear_logp_op.register_autograd(_linear_logp_backward, setup_context=_linear_logp_setup_context)
+linear_logp_autograd = register_autograd(linear_logp_op, _linear_logp_backward, _linear_logp_setup_context)
 
 
 def _validate(hidden, lm_head_weight, target_ids, bias) -> None:
@@ -539,7 +540,7 @@ def linear_logp(hidden, lm_head_weight, target_ids, bias=None) -> torch.Tensor:
     gives NaN for that token.
     """
     _validate(hidden, lm_head_weight, target_ids, bias)
-    return linear_logp_op(hidden, lm_head_weight, target_ids, bias)[0]
+    return linear_logp_autograd(hidden, lm_head_weight, target_ids, bias)[0]
 
 
 class TritonLinearLogpOp:

@@ -74,7 +74,7 @@ from rl_engine.kernels.ops.triton.loss.linear_logp import (
 )
 from rl_engine.kernels.ops.triton.loss.linear_logp import config as _linear_logp_config
 from rl_engine.kernels.ops.triton.loss.logp import LOG2E, exp2_ftz
-from rl_engine.kernels.ops.triton.runtime import cast_rne, interpreting
+from rl_engine.kernels.ops.triton.runtime import cast_rne, interpreting, register_autograd
 
 # Tokens per chunk: a constant, never a function of N. The interpreter's is small so CPU tests at
 # N ~ 40 cross chunk borders; the vocabulary chunk and tiles come from linear_logp's fixed table.
@@ -474,7 +474,7 @@ def _loss_backward(ctx, grad_loss, *_):
     return (grad_hidden if ctx.need[0] else None, grad_weight if ctx.need[1] else None) + (None,) * 16
 
 
-linear_policy_loss_op.register_autograd(_loss_backward, setup_context=_loss_setup_context)
+linear_policy_loss_autograd = register_autograd(linear_policy_loss_op, _loss_backward, _loss_setup_context)
 
 
 def linear_policy_loss(hidden, lm_head_weight, target_ids, advantages, old_logprobs, mask=None, ref_logprobs=None,
@@ -493,7 +493,7 @@ def linear_policy_loss(hidden, lm_head_weight, target_ids, advantages, old_logpr
     token_weight = aggregation_weights(mask, cfg, normalizer)
     grad_on = torch.is_grad_enabled()
     need_hidden, need_weight = grad_on and hidden.requires_grad, grad_on and lm_head_weight.requires_grad
-    loss, logp, clipped, lower, kl, entropy, _, _ = linear_policy_loss_op(
+    loss, logp, clipped, lower, kl, entropy, _, _ = linear_policy_loss_autograd(
         hidden, lm_head_weight, target_ids, advantages, old_logprobs, ref_logprobs, mask, token_weight,
         cfg.policy_loss, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.kl_coef, cfg.entropy_coef,
         cfg.temperature, cfg.compute_entropy, need_hidden, need_weight,

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from rl_engine.kernels.ops.pytorch.base import expect_rank, expect_shape
 from rl_engine.kernels.ops.pytorch.loss.logp import NativeLogpOp
-from rl_engine.kernels.ops.triton.runtime import cast_rne, interpreting
+from rl_engine.kernels.ops.triton.runtime import cast_rne, interpreting, register_autograd
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = 2^(x log2e)
 
@@ -274,7 +274,7 @@ def _logp_backward(ctx, grad_logp: torch.Tensor, _grad_lse):
     return logp_backward_op(grad_logp, logits, target_ids, lse), None
 
 
-logp_op.register_autograd(_logp_backward, setup_context=_logp_setup_context)
+logp_autograd = register_autograd(logp_op, _logp_backward, _logp_setup_context)
 
 
 def row_logsumexp(rows: torch.Tensor) -> torch.Tensor:
@@ -293,7 +293,7 @@ def row_logsumexp(rows: torch.Tensor) -> torch.Tensor:
 def logp(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
     """fp32 log-probabilities [B,S] of `target_ids` [B,S] under `logits` [B,S,V] (any float dtype)."""
     _validate(logits, target_ids)
-    return logp_op(logits, target_ids)[0]
+    return logp_autograd(logits, target_ids)[0]
 
 
 class TritonLogpOp:

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from rl_engine.kernels.ops.pytorch.base import expect_float
 from rl_engine.kernels.ops.pytorch.norm.rms_norm import NativeRmsNormOp
-from rl_engine.kernels.ops.triton.runtime import cast_rne, needs_custom_op
+from rl_engine.kernels.ops.triton.runtime import cast_rne, needs_autograd, register_autograd
 
 # Rows per backward program; a constant so that dweight's order never depends on the launch grid.
 ROWS_PER_PROGRAM = 32
@@ -165,7 +165,7 @@ def _rms_norm_backward(ctx, dy: torch.Tensor, _drstd):
     return dx, dweight, None
 
 
-rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup_context)
+rms_norm_autograd = register_autograd(rms_norm_op, _rms_norm_backward, _rms_norm_setup_context)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -174,11 +174,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
         raise ValueError(f"weight: expected shape [H] = ({x.shape[-1]},), got {tuple(weight.shape)}")
     expect_float("x", x, "[..., H]")
     expect_float("weight", weight, "[H]")
-    if not needs_custom_op(x, weight):
+    if not needs_autograd(x, weight):
         # Without autograd: the kernel alone, no custom op (its host cost shows at small shapes).
         y, _ = rms_norm_forward(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), eps)
         return y.reshape(x.shape)
-    return rms_norm_op(x, weight, eps)[0]
+    return rms_norm_autograd(x, weight, eps)[0]
 
 
 class TritonRmsNormOp:

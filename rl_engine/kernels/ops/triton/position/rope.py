@@ -39,7 +39,7 @@ from triton.language.extra import libdevice
 
 from rl_engine.kernels.ops.pytorch.base import expect_float
 from rl_engine.kernels.ops.pytorch.position.rope import NativeRopeOp
-from rl_engine.kernels.ops.triton.runtime import cast_rne, interpreting, needs_custom_op
+from rl_engine.kernels.ops.triton.runtime import cast_rne, interpreting, needs_autograd, register_autograd
 
 
 @triton.jit
@@ -148,7 +148,7 @@ def _rope_backward(ctx, grad_out: torch.Tensor):
     return rope_op(grad_out, positions, inv_freq, ctx.theta, not ctx.transpose), None, None, None, None
 
 
-rope_op.register_autograd(_rope_backward, setup_context=_rope_setup_context)
+rope_autograd = register_autograd(rope_op, _rope_backward, _rope_setup_context)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 1e6,
@@ -163,8 +163,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 1e6,
     if positions.is_floating_point():
         raise ValueError(f"positions: expected integer positions, got dtype {positions.dtype}")
     expect_float("x", x, "[..., Hh, D]")
-    if needs_custom_op(x):
-        return rope_op(x, positions, inv_freq, theta, False)
+    if needs_autograd(x):
+        return rope_autograd(x, positions, inv_freq, theta, False)
     x, positions = x.contiguous(), positions.contiguous()  # no copy when already contiguous
     inv_freq = cached_inv_freq(x.shape[-1], theta, x.device) if inv_freq is None else inv_freq.contiguous()
     return rope_apply(x, positions, inv_freq)
