@@ -8,6 +8,8 @@ with bf16 tensor-core dots.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -191,6 +193,39 @@ def test_bad_inputs_name_the_input():
         triton_attention(q, k, v, cu_seqlens=torch.tensor([0, 3, 7], dtype=torch.int32))
     with pytest.raises(ValueError, match="v"):
         triton_attention(q, k, v.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("offsets", [[1, 3, 8], [0, 3, 7], [0, 5, 3, 8], [0, 9]],
+                         ids=["start", "end", "decreasing", "past-end"])
+def test_packed_offsets_are_checked(offsets):
+    q, k, v = (t[0] for t in _qkv(1, 8, 4, 2, 16, torch.float32))
+    with pytest.raises(ValueError, match=r"cu_seqlens: expected non-decreasing offsets from 0 to T=8"):
+        triton_attention(q, k, v, cu_seqlens=torch.tensor(offsets, dtype=torch.int32))
+
+
+def test_packed_empty_batch_and_empty_sequences():
+    q, k, v = (t[0] for t in _qkv(1, 0, 4, 2, 16, torch.float32))
+    assert triton_attention(q, k, v, cu_seqlens=torch.tensor([0], dtype=torch.int32)).shape == q.shape
+    assert triton_attention(q, k, v, cu_seqlens=torch.tensor([0, 0, 0], dtype=torch.int32)).shape == q.shape
+
+
+@pytest.mark.gpu
+def test_gpu_packed_call_reads_back_once():
+    # The offsets' checks and the grid's bound come back to the host in one read: each extra read is a
+    # device sync that stalls the host ahead of the kernels (measured 4 before).
+    q, k, v = (t[0] for t in _qkv(1, 300, 4, 2, 64, torch.bfloat16))
+    cu = torch.tensor([0, 100, 120, 300], dtype=torch.int32, device=DEVICE)
+    triton_attention(q, k, v, cu_seqlens=cu)  # compiled and warm
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            triton_attention(q, k, v, cu_seqlens=cu)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
 
 
 @pytest.mark.gpu

@@ -73,11 +73,14 @@ def _packed_table(total: int, cu_seqlens, device) -> SequenceTable:
         # bits are eager's. The offsets are not checked here (eager calls check them).
         return sequence_table(cu[:-1], lengths, torch.zeros_like(lengths), cu[:-1], lengths,
                               max_q_count=total, max_kv_len=total)
-    if int(cu[0]) != 0 or int(cu[-1]) != total or (lengths.numel() and int(lengths.min()) < 0):
+    # One read-back for every check (each int() of a CUDA value is a device sync of its own).
+    ends = [cu[0], cu[-1]] + ([lengths.min(), lengths.max()] if lengths.numel() else [])
+    first, last, *extremes = torch.stack(ends).tolist()
+    shortest, longest = extremes or (0, 0)
+    if first != 0 or last != total or shortest < 0:
         raise ValueError(
             f"cu_seqlens: expected non-decreasing offsets from 0 to T={total}, got {cu_seqlens.tolist()}"
         )
-    longest = int(lengths.max()) if lengths.numel() else 0
     return sequence_table(cu[:-1], lengths, torch.zeros_like(lengths), cu[:-1], lengths,
                           max_q_count=longest, max_kv_len=longest)
 
