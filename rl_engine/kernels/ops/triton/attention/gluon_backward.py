@@ -1,10 +1,11 @@
 """The attention backward on Hopper in Gluon (Triton 3.6), warp-specialised as the forward is
 (gluon_forward.py): flash_backward runs these for bf16 head_dim 64 and 128 on sm_90 (dQ on its side stream).
 
-dQ: per CTA two 64-row query tiles of one sequence and head (Q and dO in shared memory), each on its own
-consumer warpgroup, and the forward's 1-warp producer streaming the union of their K/V blocks (64 keys) by
-TMA. A consumer issues block j's s = q·kᵀ and dp = dO·vᵀ together with block j-1's dq += ds·k, and forms block
-j's ds while that runs. Per row it is flash.py's `_dq_block`, block after block in the same order.
+dQ: per CTA two (head_dim 128) or three (64) 64-row query tiles of one sequence and head (Q and dO in shared
+memory), each on its own consumer warpgroup, and the forward's 1-warp producer streaming the union of their K/V
+blocks (64 keys) by TMA. A consumer issues block j's s = q·kᵀ and dp = dO·vᵀ together with block j-1's
+dq += ds·k, and forms block j's ds while that runs. Per row it is flash.py's `_dq_block`, block after block in
+the same order.
 
 dK/dV: per CTA two 64-key tiles of one sequence and KV head (K and V in shared memory), one per consumer, and a
 producer streaming Q and dO blocks of 64 queries for each head of the group in order, with their LSE and delta
@@ -58,6 +59,10 @@ from rl_engine.kernels.ops.triton.attention.gluon_forward import covers as _cove
 
 HEAD_DIMS = (64, 128)  # flash.py's backward tiles are the same at both (64-row dQ, 32x64 dK/dV blocks)
 CONSUMERS, STAGES, REGS = 2, 4, 240  # a consumer holds block j-1 (its dq product in flight) and block j
+# dQ: head_dim -> (consumer warpgroups, ring depth, registers per consumer thread). At 64 a consumer's tiles fit 160
+# registers, so three share a CTA (192 query rows, one K/V stream): the same bits, dQ alone 7-10% faster and the
+# backward 3-5% (H200, h200_probe_gluon_dq3_hd64.log); a 2-deep ring was slower. At 128 three would spill.
+DQ_SHAPES = {64: (3, 3, 160), 128: (CONSUMERS, STAGES, REGS)}
 # dK/dV: 64-query blocks, two of flash.py's 32-query blocks (the same k16 products in the same order: its bits); with
 # LSE and delta in the ring they spill 284-436 bytes (1.3-1.6 KB before), and run 8-12% faster than 32-query blocks
 # (H200, h200_probe_dkdv64_ring.log). Two 64-key tiles (K, V), a 2-deep (Q, dO, LSE, delta) ring and each consumer's
@@ -163,17 +168,21 @@ def _dq_consumer(q_smem, do_smem, q_bar, k_bufs, v_bufs, k_tail, kv_ready, kv_em
 def gluon_dq_kernel(desc_q, desc_do, desc_k, desc_v, DQ, LSE, DELTA, SEQ_INFO,
                     stride_qr, stride_qh, stride_lr, qk_scale, scale, group,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                    CAUSAL: gl.constexpr, REGS: gl.constexpr):
-    # grid (cdiv(max q_count, 128), Hq, sequences), the heaviest CTAs first; under a causal mask aligned to
-    # the sequence's end, as the forward's (a row's dq does not depend on where its tile starts).
+                    CAUSAL: gl.constexpr, REGS: gl.constexpr, CONSUMERS: gl.constexpr):
+    # grid (cdiv(max q_count, CONSUMERS * 64), Hq, sequences), the heaviest CTAs first; under a causal mask
+    # aligned to the sequence's end, as the forward's (a row's dq does not depend on where its tile starts).
     head = gl.program_id(1)
     q_row0, q_count, q_pos0, k_row0, kv_len, window = _sequence(SEQ_INFO)
-    first_q = _query_tiles_start(q_count, 2 * BLOCK_M, CAUSAL)
+    first_q = _query_tiles_start(q_count, CONSUMERS * BLOCK_M, CAUSAL)
     lo0, mid0, hi0 = _tile_blocks(q_pos0, first_q, q_count, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
     lo1, mid1, hi1 = _tile_blocks(q_pos0, first_q + BLOCK_M, q_count, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
-    glo, ghi = _ring_range(lo0, hi0, lo1, hi1, lo1, hi1)
+    lo2, mid2, hi2 = _tile_blocks(q_pos0, first_q + 2 * BLOCK_M, q_count, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
+    if CONSUMERS == 2:  # no third tile
+        lo2, mid2, hi2 = lo2 * 0, mid2 * 0, hi2 * 0
+    glo, ghi = _ring_range(lo0, hi0, lo1, hi1, lo2, hi2)
     lo0, mid0, hi0 = _or_drain(lo0, mid0, hi0, glo)
     lo1, mid1, hi1 = _or_drain(lo1, mid1, hi1, glo)
+    lo2, mid2, hi2 = _or_drain(lo2, mid2, hi2, glo)
     q_col = head * HEAD_DIM
     kv_col = (head // group) * HEAD_DIM
 
@@ -183,15 +192,15 @@ def gluon_dq_kernel(desc_q, desc_do, desc_k, desc_v, DQ, LSE, DELTA, SEQ_INFO,
     do1 = gl.allocate_shared_memory(desc_do.dtype, desc_do.block_type.shape, desc_do.layout)
     k_bufs = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
     v_bufs = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
-    k_tails = gl.allocate_shared_memory(desc_k.dtype, [2] + desc_k.block_type.shape, desc_k.layout)
-    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_tails = gl.allocate_shared_memory(desc_k.dtype, [CONSUMERS] + desc_k.block_type.shape, desc_k.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(2):
+    for c in gl.static_range(3):
         mbarrier.init(q_bars.index(c), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(s), count=1)
-        mbarrier.init(kv_empty.index(s), count=2)  # each consumer releases each stage
+        mbarrier.init(kv_empty.index(s), count=CONSUMERS)  # each consumer releases each stage
     nbytes: gl.constexpr = desc_q.block_type.nbytes + desc_do.block_type.nbytes
     mbarrier.expect(q_bars.index(0), nbytes)
     tma.async_copy_global_to_shared(desc_q, [q_row0 + first_q, q_col], q_bars.index(0), q0)
@@ -199,17 +208,41 @@ def gluon_dq_kernel(desc_q, desc_do, desc_k, desc_v, DQ, LSE, DELTA, SEQ_INFO,
     mbarrier.expect(q_bars.index(1), nbytes)
     tma.async_copy_global_to_shared(desc_q, [q_row0 + first_q + BLOCK_M, q_col], q_bars.index(1), q1)
     tma.async_copy_global_to_shared(desc_do, [q_row0 + first_q + BLOCK_M, q_col], q_bars.index(1), do1)
-    gl.warp_specialize([
-        (_dq_consumer, (q0, do0, q_bars.index(0), k_bufs, v_bufs, k_tails.index(0), kv_ready, kv_empty, DQ, LSE,
-                        DELTA, stride_qr, stride_qh, stride_lr, qk_scale, scale, head, q_row0, q_count, q_pos0,
-                        first_q, kv_len, window, lo0, mid0, hi0, glo, ghi,
-                        BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-        (_dq_consumer, (q1, do1, q_bars.index(1), k_bufs, v_bufs, k_tails.index(1), kv_ready, kv_empty, DQ, LSE,
-                        DELTA, stride_qr, stride_qh, stride_lr, qk_scale, scale, head, q_row0, q_count, q_pos0,
-                        first_q + BLOCK_M, kv_len, window, lo1, mid1, hi1, glo, ghi,
-                        BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-        (_producer, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col, glo, ghi, BLOCK_N, STAGES)),
-    ], [4, 1], [REGS, 24])
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_dq_consumer, (q0, do0, q_bars.index(0), k_bufs, v_bufs, k_tails.index(0), kv_ready, kv_empty, DQ, LSE,
+                            DELTA, stride_qr, stride_qh, stride_lr, qk_scale, scale, head, q_row0, q_count, q_pos0,
+                            first_q, kv_len, window, lo0, mid0, hi0, glo, ghi,
+                            BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+            (_dq_consumer, (q1, do1, q_bars.index(1), k_bufs, v_bufs, k_tails.index(1), kv_ready, kv_empty, DQ, LSE,
+                            DELTA, stride_qr, stride_qh, stride_lr, qk_scale, scale, head, q_row0, q_count, q_pos0,
+                            first_q + BLOCK_M, kv_len, window, lo1, mid1, hi1, glo, ghi,
+                            BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+            (_producer, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col, glo, ghi, BLOCK_N,
+                         STAGES)),
+        ], [4, 1], [REGS, 24])
+    else:
+        q2 = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
+        do2 = gl.allocate_shared_memory(desc_do.dtype, desc_do.block_type.shape, desc_do.layout)
+        mbarrier.expect(q_bars.index(2), nbytes)
+        tma.async_copy_global_to_shared(desc_q, [q_row0 + first_q + 2 * BLOCK_M, q_col], q_bars.index(2), q2)
+        tma.async_copy_global_to_shared(desc_do, [q_row0 + first_q + 2 * BLOCK_M, q_col], q_bars.index(2), do2)
+        gl.warp_specialize([
+            (_dq_consumer, (q0, do0, q_bars.index(0), k_bufs, v_bufs, k_tails.index(0), kv_ready, kv_empty, DQ, LSE,
+                            DELTA, stride_qr, stride_qh, stride_lr, qk_scale, scale, head, q_row0, q_count, q_pos0,
+                            first_q, kv_len, window, lo0, mid0, hi0, glo, ghi,
+                            BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+            (_dq_consumer, (q1, do1, q_bars.index(1), k_bufs, v_bufs, k_tails.index(1), kv_ready, kv_empty, DQ, LSE,
+                            DELTA, stride_qr, stride_qh, stride_lr, qk_scale, scale, head, q_row0, q_count, q_pos0,
+                            first_q + BLOCK_M, kv_len, window, lo1, mid1, hi1, glo, ghi,
+                            BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+            (_dq_consumer, (q2, do2, q_bars.index(2), k_bufs, v_bufs, k_tails.index(2), kv_ready, kv_empty, DQ, LSE,
+                            DELTA, stride_qr, stride_qh, stride_lr, qk_scale, scale, head, q_row0, q_count, q_pos0,
+                            first_q + 2 * BLOCK_M, kv_len, window, lo2, mid2, hi2, glo, ghi,
+                            BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+            (_producer, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col, glo, ghi, BLOCK_N,
+                         STAGES)),
+        ], [4, 4, 1], [REGS, REGS, 24])
 
 
 @gluon.jit
@@ -469,11 +502,12 @@ def gluon_dq(do, q, k, v, lse, delta, table, *, causal: bool, scale: float, out=
     if table.num_sequences == 0 or rows == 0:
         return dq
     block_n = attention_config(q.dtype, d).backward_dq.block_n
-    grid = (triton.cdiv(max(table.max_q_count, 1), CONSUMERS * BLOCK_M), hq, table.num_sequences)
+    consumers, stages, regs = DQ_SHAPES[d]
+    grid = (triton.cdiv(max(table.max_q_count, 1), consumers * BLOCK_M), hq, table.num_sequences)
     gluon_dq_kernel[grid](
         _descriptor(q, BLOCK_M), _descriptor(do, BLOCK_M), _descriptor(k, block_n), _descriptor(v, block_n),
         dq, lse, delta, table.info, dq.stride(0), dq.stride(1), lse.stride(0), scale * LOG2_E, scale,
-        hq // k.shape[1], BLOCK_M, block_n, d, STAGES, causal, REGS, num_warps=4)
+        hq // k.shape[1], BLOCK_M, block_n, d, stages, causal, regs, consumers, num_warps=4)
     return dq
 
 
@@ -519,8 +553,9 @@ def compile_for_sm90(causal: bool, kernel: str = "dq", head_dim: int = 128):
     info = MockTensor("int32", [4, 6])
     if kernel == "dq":
         fn = gluon_dq_kernel
+        consumers, stages, regs = DQ_SHAPES[head_dim]
         args = (desc(BLOCK_M, 32), desc(BLOCK_M, 32), desc(block_n, 8), desc(block_n, 8), rows, f32, f32, info,
-                32 * head_dim, head_dim, 32, 0.1, 0.1, 4, BLOCK_M, block_n, head_dim, STAGES, causal, REGS)
+                32 * head_dim, head_dim, 32, 0.1, 0.1, 4, BLOCK_M, block_n, head_dim, stages, causal, regs, consumers)
     else:
         fn = gluon_dkdv_kernel
         row = TensorDescriptor(MockTensor("float32", [32, 8192]), [32, 8192], [8192, 1], [1, DKDV_BLOCK_Q], ROW_LAYOUT)
