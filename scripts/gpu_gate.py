@@ -1,6 +1,7 @@
 """The GPU gate: the whole `gpu`-marked suite plus every Triton op checked at Qwen3-8B geometry, in one call.
 
     python scripts/gpu_gate.py --out DIR [--workers N]
+    python scripts/gpu_gate.py --tree-hash     the digest the log's tree= gives this checkout's tested files
 
 Runs on the H200 whenever kernel code changes (a subset is not a green run):
   1. `check-op --candidate triton --check-invariance` for every op in the harness's op list, bf16
@@ -37,6 +38,31 @@ def log(fh, line: str) -> None:
     fh.flush()
 
 
+# What the gate tests: the package, its tests, the scripts and benchmarks, the project file (results excluded).
+TREE_PARTS = ("rl_engine", "tests", "scripts", "benchmarks", "pyproject.toml")
+TREE_SUFFIXES = (".py", ".json", ".sh", ".toml")
+
+
+def tree_hash(root: Path = ROOT) -> str:
+    """sha256 (16 hex digits) of the tested files' paths and bytes. The device's copy of the tree may carry a
+    stale .git (its `git rev-parse` named a commit two changes old twice), so the log names the code by its
+    content: `python scripts/gpu_gate.py --tree-hash` on a checkout gives the same digest for the same code."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    files = []
+    for part in TREE_PARTS:
+        path = root / part
+        files += [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+    for f in sorted(files):
+        rel = f.relative_to(root).as_posix()
+        if (f.suffix not in TREE_SUFFIXES or "__pycache__" in f.parts or ".egg-info" in rel
+                or rel.startswith("benchmarks/results/")):
+            continue
+        digest.update(rel.encode() + b"\0" + f.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def environment(commit: str | None, device: str = "cuda") -> dict:
     if commit is None:  # a copied tree may carry a stale .git: --commit names what was copied
         try:
@@ -46,7 +72,7 @@ def environment(commit: str | None, device: str = "cuda") -> dict:
             pass
     from rl_engine.environment import environment as record
 
-    return {**record(device), "commit": commit}
+    return {**record(device), "commit": commit, "tree": tree_hash()}
 
 
 def start_pytest(out: Path, workers: int) -> subprocess.Popen:
@@ -116,10 +142,17 @@ def check_ops(out: Path, fh) -> list[dict]:
 
 def main() -> int:
     parser = ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="folder for the log, the summary and the check-op reports")
+    parser.add_argument("--out", help="folder for the log, the summary and the check-op reports")
+    parser.add_argument("--tree-hash", action="store_true",
+                        help="print the tested files' digest (the log's tree=) for this checkout and exit")
     parser.add_argument("--workers", type=int, default=4, help="pytest-xdist workers for the suite (default 4)")
     parser.add_argument("--commit", default=None, help="the commit under test (default: git rev-parse HEAD)")
     args = parser.parse_args()
+    if args.tree_hash:
+        print(tree_hash())
+        return 0
+    if args.out is None:
+        parser.error("the following arguments are required: --out")
     out = check_writable(args.out, "--out", directory=True)
     import torch
 
@@ -156,7 +189,7 @@ def main() -> int:
         verdict = (f"GPU gate {'PASSED' if ok else 'FAILED'}: pytest -m gpu {suite['passed']} passed, "
                    f"{suite['failed']} failed, {suite['errors']} errors, {suite['skipped']} skipped; check-op "
                    f"{len(ops) - len(ops_failed)}/{len(ops)} passed; {summary['wall_s']} s on {env['device_name']} "
-                   f"(torch {env['torch']}, Triton {env['triton']}, commit {env['commit']})")
+                   f"(torch {env['torch']}, Triton {env['triton']}, commit {env['commit']}, tree {env['tree']})")
         log(fh, verdict)
     return 0 if ok else 1
 

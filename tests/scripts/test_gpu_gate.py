@@ -91,3 +91,36 @@ def test_a_whole_gate_run_writes_its_summary_and_verdict(tmp_path, monkeypatch, 
     assert summary["passed"] and summary["environment"]["commit"] == "abc1234"
     assert "GPU gate PASSED: pytest -m gpu 140 passed" in capsys.readouterr().out
 
+
+
+def _tree(root):
+    for rel, text in {"rl_engine/a.py": "x = 1\n", "tests/test_a.py": "def test(): pass\n", "pyproject.toml": "[p]\n",
+                      "benchmarks/results/a.json": "{}", "rl_engine/__pycache__/a.pyc": "bytes"}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def test_the_tree_hash_names_the_code_not_its_outputs(tmp_path):
+    # The log names the tested code by content (a device copy's .git may be stale): a changed or added source
+    # file changes the digest, a benchmark result or a bytecode cache does not.
+    _tree(tmp_path)
+    base = gpu_gate.tree_hash(tmp_path)
+    assert base == gpu_gate.tree_hash(tmp_path) and len(base) == 16
+    (tmp_path / "benchmarks/results/a.json").write_text('{"ms": 2}')
+    (tmp_path / "rl_engine/__pycache__/a.pyc").write_text("other")
+    assert gpu_gate.tree_hash(tmp_path) == base
+    (tmp_path / "rl_engine/a.py").write_text("x = 2\n")  # planted: one changed constant
+    changed = gpu_gate.tree_hash(tmp_path)
+    assert changed != base
+    (tmp_path / "tests/test_b.py").write_text("")  # an added test
+    assert gpu_gate.tree_hash(tmp_path) != changed
+
+
+def test_tree_hash_flag_and_missing_out(capsys, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["gpu_gate", "--tree-hash"])
+    assert gpu_gate.main() == 0
+    assert capsys.readouterr().out.strip() == gpu_gate.tree_hash()
+    monkeypatch.setattr("sys.argv", ["gpu_gate"])
+    with pytest.raises(SystemExit) as info:
+        gpu_gate.main()
+    assert info.value.code == 2 and "--out" in capsys.readouterr().err
