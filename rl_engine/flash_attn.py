@@ -59,9 +59,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _refuse_unsupported(dropout_p, window_size, softcap, alibi_slopes, return_attn_probs)
     if block_table is not None:
         raise ValueError("block_table: a paged varlen call is not supported; use flash_attn_with_kvcache")
-    if cu_seqlens_q is not cu_seqlens_k and not (  # compared where they live: one sync, not two copies
-            cu_seqlens_q.shape == cu_seqlens_k.shape
-            and torch.equal(cu_seqlens_q, cu_seqlens_k.to(cu_seqlens_q.device, cu_seqlens_q.dtype))):
+    # Compared where they live: one sync, not two copies to the host.
+    if cu_seqlens_q is not cu_seqlens_k and not torch.equal(cu_seqlens_q, cu_seqlens_k.to(cu_seqlens_q)):
         raise ValueError("cu_seqlens_k: must equal cu_seqlens_q (self-attention over packed sequences); "
                          "cross-attention varlen is not supported")
     if q.dim() != 3:

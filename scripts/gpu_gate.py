@@ -56,8 +56,7 @@ def tree_hash(root: Path = ROOT) -> str:
         files += [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
     for f in sorted(files):
         rel = f.relative_to(root).as_posix()
-        if (f.suffix not in TREE_SUFFIXES or "__pycache__" in f.parts or ".egg-info" in rel
-                or rel.startswith("benchmarks/results/")):
+        if f.suffix not in TREE_SUFFIXES or rel.startswith("benchmarks/results/"):  # bytecode, results
             continue
         digest.update(rel.encode() + b"\0" + f.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
