@@ -65,10 +65,11 @@ def test_flash_backward_routes_its_own_head_dims():
     from rl_engine.kernels.ops.triton.attention.gluon_backward import HEAD_DIMS
     from rl_engine.kernels.ops.triton.attention.gluon_forward import check_rows, routes
 
-    assert HEAD_DIMS == (64, 128)
-    assert [d for d in (32, 64, 96, 128, 256) if routes(torch.bfloat16, d, (9, 0), "3.6.0", HEAD_DIMS)] == [64, 128]
-    q, k = torch.zeros(192, 4, 256, dtype=torch.bfloat16), torch.zeros(192, 2, 256, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"expected head_dim \(64, 128\)"):
+    assert HEAD_DIMS == (64, 128, 256)
+    routed = [d for d in (32, 64, 96, 128, 192, 256) if routes(torch.bfloat16, d, (9, 0), "3.6.0", HEAD_DIMS)]
+    assert routed == [64, 128, 256]
+    q, k = torch.zeros(192, 4, 96, dtype=torch.bfloat16), torch.zeros(192, 2, 96, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"expected head_dim \(64, 128, 256\)"):
         check_rows(q, k, k.clone(), HEAD_DIMS)
 
 
@@ -145,7 +146,7 @@ print(json.dumps({"shared": k.metadata.shared, "warps": k.metadata.num_warps,
 """
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("mask, kernel", [("causal", "dq"), ("full", "dq"), ("causal", "dkdv"), ("full", "dkdv")])
 def test_the_backward_kernels_compile_for_the_h200(mask, kernel, head_dim):
     from rl_engine.kernels.ops.triton.attention.gluon_backward import DQ_SHAPES
@@ -190,8 +191,9 @@ def test_the_dkdv_producer_reads_every_block_start_from_an_aligned_box(rows):
         assert _first_wrong_box(unshifted, x, DKDV_BLOCK_Q) is not None
 
 
-BACKWARD_CASES = [c for c in GPU_CASES if c[7] != 256] + [
+BACKWARD_CASES = GPU_CASES + [
     ("hd64_left_padded", "padded", [0, 300, 1000], 1100, 8, 8, True, 64),
+    ("hd256_left_padded", "padded", [0, 300, 1000], 1100, 8, 8, True, 256),
 ]
 
 

@@ -800,7 +800,7 @@ def flash_backward(do, q, k, v, out, lse, table: SequenceTable, *, causal: bool,
 
 def _gluon_covers(q, k, v, backward: bool = False) -> bool:
     """Whether the Gluon kernels (Hopper, Triton 3.6, bf16; gluon_forward.py head_dim 64, 128 and 256,
-    gluon_backward.py 64 and 128) take these CUDA rows; imported late, as they import Gluon."""
+    gluon_backward.py too) take these CUDA rows; imported late, as they import Gluon."""
     if interpreting() or not q.is_cuda:
         return False
     from rl_engine.kernels.ops.triton.attention import gluon_backward, gluon_forward

@@ -1,5 +1,5 @@
 """The attention backward on Hopper in Gluon (Triton 3.6), warp-specialised as the forward is
-(gluon_forward.py): flash_backward runs these for bf16 head_dim 64 and 128 on sm_90 (dQ on its side stream).
+(gluon_forward.py): flash_backward runs these for bf16 head_dim 64, 128 and 256 on sm_90 (dQ on its side stream).
 
 dQ: per CTA two (head_dim 128) or three (64) 64-row query tiles of one sequence and head (Q and dO in shared
 memory), each on its own consumer warpgroup, and the forward's 1-warp producer streaming the union of their K/V
@@ -7,7 +7,9 @@ blocks (64 keys) by TMA. A consumer issues block j's s = q·kᵀ and dp = dO·v�
 dq += ds·k, and forms block j's ds while that runs. Per row it is flash.py's `_dq_block`, block after block in
 the same order.
 
-dK/dV: per CTA two 64-key tiles of one sequence and KV head (K and V in shared memory), one per consumer, and a
+dK/dV: per CTA two 64-key tiles of one sequence and KV head (K and V in shared memory), one per consumer (at
+head_dim 256 one tile, whose dV one consumer forms and dK the other: a tile's two fp32 gradients would take a
+consumer's 256 registers), and a
 producer streaming Q and dO blocks of 64 queries for each head of the group in order, with their LSE and delta
 (as FA3 does: a consumer that loaded them itself waited on global memory at every block, and held their
 addresses in spilled registers). Per block it is flash.py's `_dkdv_block` (sᵀ = k·qᵀ and dpᵀ = v·dOᵀ, then
@@ -15,8 +17,9 @@ dv += pᵀ·dO and dk += dsᵀ·q), over flash.py's query ranges.
 
 Both keep flash.py's tiles, block order and group order (the Triton kernels' bits are expected: the gpu tests
 check it). Invisible pairs' ds are zeroed with `where` (not only p), and operands past a sequence's end are
-zeroed in a consumer's own copy (the dQ tile's last K block; the dK/dV masked Q and dO blocks), as TMA
-zero-fills only at the tensor's edge: a neighbour's NaN cannot leak in.
+zeroed (the dQ tile's last K block in a consumer's own copy; a dK/dV block's Q and dO rows past the sequence in the
+ring slot, which every consumer zeroes alike), as TMA zero-fills only at the tensor's edge: a neighbour's NaN cannot
+leak in.
 
 Measured on the H200 (torch 2.11, Triton 3.6; B·S = 16k, 32/8 heads, causal, ABBA medians,
 docs/evidence/h200_probe_gluon_all_60e5608.log): dq, dk, dv equal to the Triton kernels' at S = 2k / 4k / 8k (and
@@ -25,7 +28,9 @@ full at 4k); the whole backward 2.15 / 4.07 / 7.55 ms vs 2.61 / 4.51 / 8.25 (dQ 
 1.24 / 2.29 / 4.42 ms (4.13 vs 5.32 without a mask), the same bits (h200_probe_dkdv_lse_ring.log), and 64-query
 blocks to 1.14 / 2.05 / 3.88 (3.57 without a mask; h200_probe_dkdv64_ring.log). At head_dim 64 (flash.py's
 backward tiles are 128's), the same bits, the whole backward 1.18 / 2.10 / 3.85 ms vs flash.py's 1.50 / 2.68 / 4.97
-(3.65 vs 5.47 without a mask; h200_probe_gluon_backward_hd64.log).
+(3.65 vs 5.47 without a mask; h200_probe_gluon_backward_hd64.log). At head_dim 256 (S = 4k, B = 4), the same bits,
+the whole backward 8.82 ms vs flash.py's 14.91 causal, 17.30 vs 29.88 without a mask; zeroing the ring slot instead
+of copying every masked block took dK/dV alone 2.23 -> 2.11 ms at 128, the same bits (h200_probe_gluon_hd256_bwd.log).
 """
 
 from __future__ import annotations
@@ -57,17 +62,20 @@ from rl_engine.kernels.ops.triton.attention.gluon_forward import (
 )
 from rl_engine.kernels.ops.triton.attention.gluon_forward import covers as _covers
 
-HEAD_DIMS = (64, 128)  # flash.py's backward tiles are the same at both (64-row dQ, 32x64 dK/dV blocks)
+HEAD_DIMS = (64, 128, 256)
 CONSUMERS, STAGES, REGS = 2, 4, 240  # a consumer holds block j-1 (its dq product in flight) and block j
 # dQ: head_dim -> (consumer warpgroups, ring depth, registers per consumer thread). At 64 a consumer's tiles fit 160
 # registers, so three share a CTA (192 query rows, one K/V stream): the same bits, dQ alone 7-10% faster and the
 # backward 3-5% (H200, h200_probe_gluon_dq3_hd64.log); a 2-deep ring was slower. At 128 three would spill.
-DQ_SHAPES = {64: (3, 3, 160), 128: (CONSUMERS, STAGES, REGS)}
+# At 256 (flash.py's 32-key dQ blocks) two consumers and a 2-deep ring fill 224 KiB of shared memory.
+DQ_SHAPES = {64: (3, 3, 160), 128: (CONSUMERS, STAGES, REGS), 256: (CONSUMERS, 2, REGS)}
 # dK/dV: 64-query blocks, two of flash.py's 32-query blocks (the same k16 products in the same order: its bits); with
 # LSE and delta in the ring they spill 284-436 bytes (1.3-1.6 KB before), and run 8-12% faster than 32-query blocks
-# (H200, h200_probe_dkdv64_ring.log). Two 64-key tiles (K, V), a 2-deep (Q, dO, LSE, delta) ring and each consumer's
-# zeroed tail copies: 193 KiB.
+# (H200, h200_probe_dkdv64_ring.log). Two 64-key tiles (K, V) and a 2-deep (Q, dO, LSE, delta) ring: 129 KiB at
+# head_dim 128. At 256 a 64-key tile's dK and dV would take a consumer's 256 registers: its two consumers share one
+# key tile, one forms dV (sᵀ, then pᵀ·dO), the other dK (sᵀ, dpᵀ, then dsᵀ·Q), 5 GEMMs' work for 4; 192 KiB.
 DKDV_BLOCK_Q, DKDV_STAGES = 64, 2
+BOTH, DV_ONLY, DK_ONLY = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)  # a dK/dV consumer's ROLE
 NO_WINDOW_C = gl.constexpr(NO_WINDOW)
 ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # a block's LSE or delta row
 
@@ -275,20 +283,25 @@ def _qdo_producer(desc_q, desc_do, desc_lse, desc_delta, q_bufs, do_bufs, lse_bu
 def _dkdv_block(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dk, dv, q_pos0, q_count, m, start_n,
                 kv_len, window, qk_scale, s_zero,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                s_layout: gl.constexpr, o_layout: gl.constexpr):
+                ROLE: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """flash.py's `_dkdv_block` for query block m: dV += Pᵀ·dO and dK += dSᵀ·Q, sᵀ = K·Qᵀ and dpᵀ = V·dOᵀ
-    issued together. MASKED: causal, window, kv_len and q_count by `where` on p and ds (a block with rows
-    past q_count comes here with those Q and dO rows zeroed by the caller)."""
+    issued together; ROLE DV_ONLY / DK_ONLY forms one of the two (the other is passed through). MASKED: causal,
+    window, kv_len and q_count by `where` on p and ds (a block with rows past q_count comes here with those Q and
+    dO rows zeroed by the caller)."""
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     q_idx = m * BLOCK_M + gl.arange(0, BLOCK_M, col_s)
     rows_ok = q_idx < q_count
     s_t = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    dp_t = warpgroup_mma(v_smem, do_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
+    if ROLE == DV_ONLY:
+        s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, ))
+    else:
+        dp_t = warpgroup_mma(v_smem, do_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
     # [1, BLOCK_M] rows of the ring, broadcast over the keys (rows past q_count: only in masked blocks, zeroed below)
     p_t = gl.exp2(gl.fma(s_t, qk_scale, -lse_smem.load(s_layout)))
-    ds_t = p_t * (dp_t - delta_smem.load(s_layout))
+    if ROLE != DV_ONLY:
+        ds_t = p_t * (dp_t - delta_smem.load(s_layout))
     if MASKED:
         k_pos = start_n + gl.arange(0, BLOCK_N, gl.SliceLayout(1, s_layout))
         q_pos = q_pos0 + q_idx
@@ -296,86 +309,110 @@ def _dkdv_block(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dk, dv, q
                    & (gl.expand_dims(k_pos, 1) > gl.expand_dims(q_pos - window, 0)))
         if CAUSAL:
             visible = visible & (gl.expand_dims(k_pos, 1) <= gl.expand_dims(q_pos, 0))
-        p_t = gl.where(visible, p_t, 0.0)
-        ds_t = gl.where(visible, ds_t, 0.0)
-    p_op = gl.convert_layout(p_t.to(gl.bfloat16), p_layout, assert_trivial=True)
-    ds_op = gl.convert_layout(ds_t.to(gl.bfloat16), p_layout, assert_trivial=True)
-    dv = warpgroup_mma(p_op, do_smem, dv, is_async=True)
-    dk = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
-    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        if ROLE != DK_ONLY:
+            p_t = gl.where(visible, p_t, 0.0)
+        if ROLE != DV_ONLY:
+            ds_t = gl.where(visible, ds_t, 0.0)
+    if ROLE == DV_ONLY:
+        p_op = gl.convert_layout(p_t.to(gl.bfloat16), p_layout, assert_trivial=True)
+        dv = warpgroup_mma(p_op, do_smem, dv, is_async=True)
+        dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv, ))
+    elif ROLE == DK_ONLY:
+        ds_op = gl.convert_layout(ds_t.to(gl.bfloat16), p_layout, assert_trivial=True)
+        dk = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
+        dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
+    else:
+        p_op = gl.convert_layout(p_t.to(gl.bfloat16), p_layout, assert_trivial=True)
+        ds_op = gl.convert_layout(ds_t.to(gl.bfloat16), p_layout, assert_trivial=True)
+        dv = warpgroup_mma(p_op, do_smem, dv, is_async=True)
+        dk = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
     return dk, dv
 
 
 @gluon.jit
-def _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, q_tail, do_tail, ready, empty, dk, dv, q_pos0,
+def _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, dk, dv, q_pos0,
                q_count, first, last, t0, start_n, kv_len, window, qk_scale, s_zero,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
-               CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """Query blocks [first, last) of one head, ring slots t0 + m. A masked block is copied into the
-    consumer's own buffers with its rows past q_count zeroed (a neighbour's rows could hold anything, and
-    0·NaN is NaN); masked blocks are the diagonal's and the last, so the copies are few."""
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+               MASKED: gl.constexpr, CAUSAL: gl.constexpr, ROLE: gl.constexpr, s_layout: gl.constexpr,
+               o_layout: gl.constexpr):
+    """Query blocks [first, last) of one head, ring slots t0 + m. In a block with rows past q_count (the
+    sequence's last) those Q and dO rows are zeroed in the ring slot itself first (a neighbour's rows could hold
+    anything, and 0·NaN is NaN): the CTA's consumers read the same block and write the same zeros."""
     chunk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 8 rows x 128: 4 registers a thread
     for m in range(first, last):
         t = t0 + m
         st = t % STAGES
         mbarrier.wait(ready.index(st), (t // STAGES) & 1)
-        if MASKED:  # the diagonal and the last block: few, so always through the zeroed copy
-            for r in gl.static_range(0, BLOCK_M, 8):  # in 8-row pieces: a whole block would cost 32 registers
-                rows = m * BLOCK_M + r + gl.arange(0, 8, gl.SliceLayout(1, chunk))
-                keep = gl.expand_dims(rows < q_count, 1)
-                q_tail.slice(r, 8).store(gl.where(keep, q_bufs.index(st).slice(r, 8).load(chunk), 0.0))
-                do_tail.slice(r, 8).store(gl.where(keep, do_bufs.index(st).slice(r, 8).load(chunk), 0.0))
-            fence_async_shared()
-            dk, dv = _dkdv_block(k_smem, v_smem, q_tail, do_tail, lse_bufs.index(st), delta_bufs.index(st), dk, dv,
-                                 q_pos0, q_count, m, start_n, kv_len, window, qk_scale, s_zero, BLOCK_M, BLOCK_N, True,
-                                 CAUSAL, s_layout, o_layout)
+        if MASKED:
+            if (m + 1) * BLOCK_M > q_count:
+                for r in gl.static_range(0, BLOCK_M, 8):  # in 8-row pieces: a whole block would cost 32 registers
+                    if m * BLOCK_M + r + 8 > q_count:
+                        rows = m * BLOCK_M + r + gl.arange(0, 8, gl.SliceLayout(1, chunk))
+                        keep = gl.expand_dims(rows < q_count, 1)
+                        q_piece = q_bufs.index(st).slice(r, 8)
+                        do_piece = do_bufs.index(st).slice(r, 8)
+                        q_piece.store(gl.where(keep, q_piece.load(chunk), 0.0))
+                        do_piece.store(gl.where(keep, do_piece.load(chunk), 0.0))
+                fence_async_shared()
+            dk, dv = _dkdv_block(k_smem, v_smem, q_bufs.index(st), do_bufs.index(st), lse_bufs.index(st),
+                                 delta_bufs.index(st), dk, dv, q_pos0, q_count, m, start_n, kv_len, window, qk_scale,
+                                 s_zero, BLOCK_M, BLOCK_N, True, CAUSAL, ROLE, s_layout, o_layout)
         else:
             dk, dv = _dkdv_block(k_smem, v_smem, q_bufs.index(st), do_bufs.index(st), lse_bufs.index(st),
                                  delta_bufs.index(st), dk, dv, q_pos0, q_count, m, start_n, kv_len, window, qk_scale,
-                                 s_zero,
-                                 BLOCK_M, BLOCK_N, False, CAUSAL, s_layout, o_layout)
+                                 s_zero, BLOCK_M, BLOCK_N, False, CAUSAL, ROLE, s_layout, o_layout)
         mbarrier.arrive(empty.index(st), count=1)
     return dk, dv
 
 
 @gluon.jit
-def _dkdv_consumer(k_smem, v_smem, kv_bar, q_bufs, do_bufs, lse_bufs, delta_bufs, q_tail, do_tail, ready, empty, DK,
+def _dkdv_consumer(k_smem, v_smem, kv_bar, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, DK,
                    DV, stride_kr, stride_kh, qk_scale, scale, kv_head, group, q_count, q_pos0,
                    k_row0, kv_len, window, start_n, lo_b, mid_b, full_b, hi_b, glo, ghi,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr):
-    """dK, dV of one 64-key tile on one warpgroup: for each head of the group in order, query blocks
+                   CAUSAL: gl.constexpr, ROLE: gl.constexpr):
+    """dK and/or dV (ROLE) of one 64-key tile on one warpgroup: for each head of the group in order, query blocks
     [lo_b, mid_b) masked, [mid_b, full_b) unmasked, [full_b, hi_b) masked (flash.py's ranges); the other
     blocks of the CTA's ring drained."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
+    unused: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     mbarrier.wait(kv_bar, 0)  # also for a tile without work: no copy may be in flight when the CTA exits
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
-    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, o_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, o_layout)
+    if ROLE == DV_ONLY:  # the gradient a consumer does not form is a small stand-in, passed through
+        dk = gl.zeros([BLOCK_N, 16], gl.float32, unused)
+    else:
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, o_layout)
+    if ROLE == DK_ONLY:
+        dv = gl.zeros([BLOCK_N, 16], gl.float32, unused)
+    else:
+        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, o_layout)
     nb = ghi - glo
     for g in range(0, group):  # the group's query heads, summed in a fixed order (no atomics)
         t0 = g * nb - glo
         _drain(ready, empty, glo, lo_b, glo - g * nb, STAGES)
-        dk, dv = _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, q_tail, do_tail, ready, empty, dk,
+        dk, dv = _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, dk,
                             dv, q_pos0, q_count, lo_b, mid_b, t0, start_n, kv_len, window, qk_scale,
-                            s_zero, BLOCK_M, BLOCK_N, STAGES, True, CAUSAL, s_layout, o_layout)
-        dk, dv = _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, q_tail, do_tail, ready, empty, dk,
+                            s_zero, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, True, CAUSAL, ROLE, s_layout, o_layout)
+        dk, dv = _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, dk,
                             dv, q_pos0, q_count, mid_b, full_b, t0, start_n, kv_len, window, qk_scale,
-                            s_zero, BLOCK_M, BLOCK_N, STAGES, False, CAUSAL, s_layout, o_layout)
-        dk, dv = _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, q_tail, do_tail, ready, empty, dk,
+                            s_zero, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, False, CAUSAL, ROLE, s_layout, o_layout)
+        dk, dv = _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, dk,
                             dv, q_pos0, q_count, full_b, hi_b, t0, start_n, kv_len, window, qk_scale,
-                            s_zero, BLOCK_M, BLOCK_N, STAGES, True, CAUSAL, s_layout, o_layout)
+                            s_zero, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, True, CAUSAL, ROLE, s_layout, o_layout)
         _drain(ready, empty, hi_b, ghi, glo - g * nb, STAGES)
     k_idx = start_n + gl.arange(0, BLOCK_N, row_o)
     d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
     off = gl.expand_dims((k_row0 + k_idx).to(gl.int64) * stride_kr + kv_head * stride_kh, 1) + gl.expand_dims(d, 0)
     keep = gl.expand_dims(k_idx < kv_len, 1)
-    gl.store(DK + off, (dk * scale).to(gl.bfloat16), mask=keep)
-    gl.store(DV + off, dv.to(gl.bfloat16), mask=keep)
+    if ROLE != DV_ONLY:
+        gl.store(DK + off, (dk * scale).to(gl.bfloat16), mask=keep)
+    if ROLE != DK_ONLY:
+        gl.store(DV + off, dv.to(gl.bfloat16), mask=keep)
 
 
 @gluon.jit
@@ -404,13 +441,20 @@ def gluon_dkdv_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, DK,
                       stride_kr, stride_kh, qk_scale, scale, group,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, REGS: gl.constexpr):
-    # grid (cdiv(max kv_len, 128), Hkv, sequences): under a causal mask the first key blocks do the most work.
+    # grid (cdiv(max kv_len, keys per CTA), Hkv, sequences): under a causal mask the first key blocks do the most
+    # work. Up to head_dim 128 a CTA's two consumers take a 64-key tile each and form its dK and dV; at 256 they
+    # share one tile, one forming dV, the other dK.
+    SPLIT: gl.constexpr = HEAD_DIM > 128
     kv_head = gl.program_id(1)
     q_row0, q_count, q_pos0, k_row0, kv_len, window = _sequence(SEQ_INFO)
-    start_n = gl.program_id(0) * 2 * BLOCK_N
+    if SPLIT:
+        start_n = gl.program_id(0) * BLOCK_N
+        start_n1 = start_n
+    else:
+        start_n = gl.program_id(0) * 2 * BLOCK_N
+        start_n1 = start_n + BLOCK_N
     lo0, mid0, full0, hi0 = _dkdv_ranges(start_n, q_pos0, q_count, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
-    lo1, mid1, full1, hi1 = _dkdv_ranges(start_n + BLOCK_N, q_pos0, q_count, kv_len, window, CAUSAL, BLOCK_M,
-                                         BLOCK_N)
+    lo1, mid1, full1, hi1 = _dkdv_ranges(start_n1, q_pos0, q_count, kv_len, window, CAUSAL, BLOCK_M, BLOCK_N)
     glo, ghi = _ring_range(lo0, hi0, lo1, hi1, lo1, hi1)
     full0 = gl.where(hi0 > lo0, full0, glo)  # _or_drain's, for the fourth bound
     full1 = gl.where(hi1 > lo1, full1, glo)
@@ -419,15 +463,11 @@ def gluon_dkdv_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, DK,
     kv_col = kv_head * HEAD_DIM
 
     k0 = gl.allocate_shared_memory(desc_k.dtype, desc_k.block_type.shape, desc_k.layout)
-    k1 = gl.allocate_shared_memory(desc_k.dtype, desc_k.block_type.shape, desc_k.layout)
     v0 = gl.allocate_shared_memory(desc_v.dtype, desc_v.block_type.shape, desc_v.layout)
-    v1 = gl.allocate_shared_memory(desc_v.dtype, desc_v.block_type.shape, desc_v.layout)
     q_bufs = gl.allocate_shared_memory(desc_q.dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
     do_bufs = gl.allocate_shared_memory(desc_do.dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
     lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + desc_lse.block_type.shape, desc_lse.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + desc_delta.block_type.shape, desc_delta.layout)
-    q_tails = gl.allocate_shared_memory(desc_q.dtype, [2] + desc_q.block_type.shape, desc_q.layout)
-    do_tails = gl.allocate_shared_memory(desc_do.dtype, [2] + desc_do.block_type.shape, desc_do.layout)
     kv_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -440,21 +480,37 @@ def gluon_dkdv_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, DK,
     mbarrier.expect(kv_bars.index(0), nbytes)
     tma.async_copy_global_to_shared(desc_k, [k_row0 + start_n, kv_col], kv_bars.index(0), k0)
     tma.async_copy_global_to_shared(desc_v, [k_row0 + start_n, kv_col], kv_bars.index(0), v0)
-    mbarrier.expect(kv_bars.index(1), nbytes)
-    tma.async_copy_global_to_shared(desc_k, [k_row0 + start_n + BLOCK_N, kv_col], kv_bars.index(1), k1)
-    tma.async_copy_global_to_shared(desc_v, [k_row0 + start_n + BLOCK_N, kv_col], kv_bars.index(1), v1)
-    gl.warp_specialize([
-        (_dkdv_consumer, (k0, v0, kv_bars.index(0), q_bufs, do_bufs, lse_bufs, delta_bufs, q_tails.index(0),
-                          do_tails.index(0), ready, empty, DK, DV, stride_kr, stride_kh, qk_scale, scale, kv_head,
-                          group, q_count, q_pos0, k_row0, kv_len, window, start_n, lo0, mid0, full0, hi0, glo, ghi,
-                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-        (_dkdv_consumer, (k1, v1, kv_bars.index(1), q_bufs, do_bufs, lse_bufs, delta_bufs, q_tails.index(1),
-                          do_tails.index(1), ready, empty, DK, DV, stride_kr, stride_kh, qk_scale, scale, kv_head,
-                          group, q_count, q_pos0, k_row0, kv_len, window, start_n + BLOCK_N, lo1, mid1, full1, hi1,
-                          glo, ghi, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-        (_qdo_producer, (desc_q, desc_do, desc_lse, desc_delta, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty,
-                         q_row0, kv_head, group, glo, ghi, BLOCK_M, HEAD_DIM, STAGES)),
-    ], [4, 1], [REGS, 24])
+    if SPLIT:
+        gl.warp_specialize([
+            (_dkdv_consumer, (k0, v0, kv_bars.index(0), q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, DK, DV,
+                              stride_kr, stride_kh, qk_scale, scale, kv_head, group, q_count, q_pos0, k_row0, kv_len,
+                              window, start_n, lo0, mid0, full0, hi0, glo, ghi,
+                              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DV_ONLY)),
+            (_dkdv_consumer, (k0, v0, kv_bars.index(0), q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, DK, DV,
+                              stride_kr, stride_kh, qk_scale, scale, kv_head, group, q_count, q_pos0, k_row0, kv_len,
+                              window, start_n, lo1, mid1, full1, hi1, glo, ghi,
+                              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DK_ONLY)),
+            (_qdo_producer, (desc_q, desc_do, desc_lse, desc_delta, q_bufs, do_bufs, lse_bufs, delta_bufs, ready,
+                             empty, q_row0, kv_head, group, glo, ghi, BLOCK_M, HEAD_DIM, STAGES)),
+        ], [4, 1], [REGS, 24])
+    else:
+        k1 = gl.allocate_shared_memory(desc_k.dtype, desc_k.block_type.shape, desc_k.layout)
+        v1 = gl.allocate_shared_memory(desc_v.dtype, desc_v.block_type.shape, desc_v.layout)
+        mbarrier.expect(kv_bars.index(1), nbytes)
+        tma.async_copy_global_to_shared(desc_k, [k_row0 + start_n1, kv_col], kv_bars.index(1), k1)
+        tma.async_copy_global_to_shared(desc_v, [k_row0 + start_n1, kv_col], kv_bars.index(1), v1)
+        gl.warp_specialize([
+            (_dkdv_consumer, (k0, v0, kv_bars.index(0), q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, DK, DV,
+                              stride_kr, stride_kh, qk_scale, scale, kv_head, group, q_count, q_pos0, k_row0, kv_len,
+                              window, start_n, lo0, mid0, full0, hi0, glo, ghi,
+                              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, BOTH)),
+            (_dkdv_consumer, (k1, v1, kv_bars.index(1), q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, DK, DV,
+                              stride_kr, stride_kh, qk_scale, scale, kv_head, group, q_count, q_pos0, k_row0, kv_len,
+                              window, start_n1, lo1, mid1, full1, hi1, glo, ghi,
+                              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, BOTH)),
+            (_qdo_producer, (desc_q, desc_do, desc_lse, desc_delta, q_bufs, do_bufs, lse_bufs, delta_bufs, ready,
+                             empty, q_row0, kv_head, group, glo, ghi, BLOCK_M, HEAD_DIM, STAGES)),
+        ], [4, 1], [REGS, 24])
 
 
 def covers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -520,7 +576,8 @@ def gluon_dkdv(do, q, k, v, lse, delta, table, *, causal: bool, scale: float, ou
     if table.num_sequences == 0 or rows == 0:
         return dk, dv
     hkv = k.shape[1]
-    grid = (triton.cdiv(max(table.max_kv_len, 1), 2 * BLOCK_M), hkv, table.num_sequences)
+    keys_per_cta = BLOCK_M if d > 128 else 2 * BLOCK_M  # gluon_dkdv_kernel's SPLIT
+    grid = (triton.cdiv(max(table.max_kv_len, 1), keys_per_cta), hkv, table.num_sequences)
     gluon_dkdv_kernel[grid](
         _descriptor(q, DKDV_BLOCK_Q), _descriptor(do, DKDV_BLOCK_Q), _descriptor(k, BLOCK_M), _descriptor(v, BLOCK_M),
         _row_descriptor(lse), _row_descriptor(delta), dk, dv, table.info, dk.stride(0), dk.stride(1), scale * LOG2_E,
