@@ -30,7 +30,8 @@ blocks to 1.14 / 2.05 / 3.88 (3.57 without a mask; h200_probe_dkdv64_ring.log). 
 backward tiles are 128's), the same bits, the whole backward 1.18 / 2.10 / 3.85 ms vs flash.py's 1.50 / 2.68 / 4.97
 (3.65 vs 5.47 without a mask; h200_probe_gluon_backward_hd64.log). At head_dim 256 (S = 4k, B = 4), the same bits,
 the whole backward 8.82 ms vs flash.py's 14.91 causal, 17.30 vs 29.88 without a mask; zeroing the ring slot instead
-of copying every masked block took dK/dV alone 2.23 -> 2.11 ms at 128, the same bits (h200_probe_gluon_hd256_bwd.log).
+of copying every masked block: dK/dV at 128 alone 1.57 -> 1.49 ms at S = 2k, 2.23 -> 2.11 and 2.29 -> 2.31 ms at 4k
+in two probes, the same bits (h200_probe_gluon_hd256_bwd.log, h200_probe_dkdv_inplace_2k.log).
 """
 
 from __future__ import annotations
