@@ -284,8 +284,10 @@ def test_gpu_every_form_gives_the_same_bits_across_kv_splits(head_dim):
 
 
 @pytest.mark.gpu
-def test_gpu_gradients_are_the_same_in_padded_and_packed_batches_qwen3_8b():
-    assert_gradients_bitwise_equal(_sequences([2048, 1000, 333, 1], 32, 8, 128, torch.bfloat16, seed=12))
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gpu_gradients_are_the_same_in_padded_and_packed_batches(head_dim):
+    # 3382 tokens of uneven lengths at Qwen3-8B's 32/8 heads; on the H200 the Gluon backward at each of its head_dims
+    assert_gradients_bitwise_equal(_sequences([2048, 1000, 333, 1], 32, 8, head_dim, torch.bfloat16, seed=12))
 
 
 @pytest.mark.gpu

@@ -226,3 +226,34 @@ def test_gpu_backward_gives_the_bits_of_the_triton_backward(monkeypatch, name, l
                             ("dv", 2, slice(k_row0, k_row0 + kv_len))):
             assert torch.equal(got[i][sl], want[i][sl]), \
                 f"sequence {z}: {(got[i][sl] != want[i][sl]).float().mean().item():.2e} of {name} differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_a_neighbours_nan_does_not_reach_a_sequence(d):
+    """Packed [70, 130] with the second sequence's q, k, v and dO all NaN: the first sequence's last blocks read
+    rows 70..127 of it (its dQ tile's last K/V block, its dK/dV consumers' last Q/dO block), which the kernels zero
+    before their products (0·NaN is NaN). Its output and gradients must equal those of the sequence alone.
+    Planted: the same call with the NaNs in the first sequence's own rows makes its gradients NaN."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is written for Hopper (sm_90a)")
+    from rl_engine.kernels.ops.triton.attention import flash
+    from rl_engine.kernels.ops.triton.attention.attention import _packed_table
+
+    def grads(q, k, v, do, lengths):
+        table = _packed_table(sum(lengths), torch.tensor([0] + lengths).cumsum(0), "cuda")
+        out, lse = flash.flash_forward(q, k, v, table, causal=True, scale=d ** -0.5)
+        return (out, *flash.flash_backward(do, q, k, v, out, lse, table, causal=True, scale=d ** -0.5))
+
+    q, k, v, do = (_bf16(200, h, d, seed=i, device="cuda") for i, h in enumerate((8, 2, 2, 8)))
+    assert flash._gluon_covers(q, k, v, backward=True)
+    alone = grads(q[:70], k[:70], v[:70], do[:70], [70])
+    for t in (q, k, v, do):
+        t[70:] = float("nan")
+    packed = grads(q, k, v, do, [70, 130])
+    for name, got, want in zip(("out", "dq", "dk", "dv"), packed, alone):
+        assert torch.isfinite(want).all() and torch.equal(got[:70], want), f"{name}: the neighbour's NaN leaked in"
+    for t in (q, k, v, do):
+        t[60:70] = float("nan")
+    planted = grads(q, k, v, do, [70, 130])
+    assert not torch.isfinite(planted[2][:70]).all(), "NaN in the sequence's own rows must reach its dk"
