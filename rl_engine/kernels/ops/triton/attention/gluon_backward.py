@@ -1,11 +1,11 @@
 """The attention backward on Hopper in Gluon (Triton 3.6), warp-specialised as the forward is
 (gluon_forward.py): flash_backward runs these for bf16 head_dim 64, 128 and 256 on sm_90 (dQ on its side stream).
 
-dQ: per CTA two (head_dim 128) or three (64) 64-row query tiles of one sequence and head (Q and dO in shared
+dQ: per CTA two (head_dim 128, 256) or three (64) 64-row query tiles of one sequence and head (Q and dO in shared
 memory), each on its own consumer warpgroup, and the forward's 1-warp producer streaming the union of their K/V
-blocks (64 keys) by TMA. A consumer issues block j's s = q·kᵀ and dp = dO·vᵀ together with block j-1's
-dq += ds·k, and forms block j's ds while that runs. Per row it is flash.py's `_dq_block`, block after block in
-the same order.
+blocks (flash.py's: 64 keys, 32 at 256) by TMA. A consumer issues block j's s = q·kᵀ and dp = dO·vᵀ together with
+block j-1's dq += ds·k, and forms block j's ds while that runs. Per row it is flash.py's `_dq_block`, block after
+block in the same order.
 
 dK/dV: per CTA two 64-key tiles of one sequence and KV head (K and V in shared memory), one per consumer (at
 head_dim 256 one tile, whose dV one consumer forms and dK the other: a tile's two fp32 gradients would take a
