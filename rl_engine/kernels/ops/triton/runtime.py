@@ -15,6 +15,12 @@ Triton < 3.7's interpreter turns 1-element arrays into Python scalars, which num
 ("only 0-dimensional arrays can be converted to Python scalars", deep inside the first kernel).
 Measured: Triton 3.6 runs with numpy 2.2 and 2.3 and fails with 2.4.0; Triton 3.7.1, 3.8 and 3.9
 run with numpy 2.4. Importing this module under the interpreter refuses that pairing in one line.
+
+The interpreter's `tl.dot` is numpy's matmul, and OpenBLAS's sgemm on some CPUs gives a row different bits at
+different positions in the tile (measured 2026-12-02 on an AMD EPYC with AVX-512, OpenBLAS 0.3.30: its default and
+Haswell kernels; its SkylakeX kernel, the earlier CI machines', does not), which no GPU tile does: the CPU
+batch-invariance tests then fail on the machine, not the kernel. Under the interpreter this module makes fp32 dots
+position-independent (`_interpreter_dot`).
 """
 
 from __future__ import annotations
@@ -57,6 +63,31 @@ def check_interpreter_versions(triton_version: str | None = None, numpy_version:
 
 
 check_interpreter_versions()
+
+
+def _interpreter_dot() -> None:
+    """Under TRITON_INTERPRET=1: fp32 `tl.dot` formed in fp64 and rounded to fp32 once (then the accumulator added
+    in fp32, as before). Products of fp32 operands (and of upcast bf16 ones) are exact in fp64, so BLAS's order of
+    the sum changes the fp32 result only at a rounding tie; the K-block order around each dot still rounds in fp32,
+    so a kernel whose reduction order depends on the batch still shows it."""
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_dot
+    if getattr(original, "position_independent", False):
+        return
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.data.dtype == b.data.dtype == d.data.dtype == numpy.float32:
+            product = numpy.matmul(a.data.astype(numpy.float64), b.data.astype(numpy.float64)).astype(numpy.float32)
+            return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    create_dot.position_independent = True
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if interpreting():
+    _interpreter_dot()
 
 
 def needs_autograd(*tensors) -> bool:

@@ -4,7 +4,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+import triton
+import triton.language as tl
 
 from rl_engine.kernels.ops.triton import runtime
 
@@ -92,3 +96,42 @@ def test_register_autograd_takes_the_function_on_plain_tensors_and_the_op_otherw
     with FakeTensorMode() as mode:
         fake = triple(mode.from_tensor(torch.empty(4)).requires_grad_())
     assert "GeneratedBackwardFor" in type(fake.grad_fn).__name__ and fake.shape == (4,)
+
+
+@triton.jit
+def _dot_tile(A, B, C, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
+    m, k, n = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    a = tl.load(A + m[:, None] * K + k[None, :])
+    b = tl.load(B + k[:, None] * N + n[None, :])
+    tl.store(C + m[:, None] * N + n[None, :], tl.dot(a, b))
+
+
+def _rows_that_change_with_position(m=32, k=32, n=32):
+    """Row 0 of A moved to each position of the tile: at how many positions its product row changes."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+    out = torch.empty(m, n)
+    _dot_tile[(1,)](a, b, out, m, k, n)
+    want = out[0].clone()
+    changed = 0
+    for r in range(1, m):
+        _dot_tile[(1,)](a.roll(r, 0).contiguous(), b, out, m, k, n)
+        changed += not torch.equal(out[r], want)
+    return changed
+
+
+@pytest.mark.skipif(not runtime.interpreting(), reason="the CPU interpreter's tl.dot")
+def test_the_interpreters_fp32_dot_gives_a_row_the_same_bits_at_any_position(monkeypatch):
+    """numpy's sgemm may not (runtime.py: OpenBLAS's default kernel on an AMD EPYC changed this row at 20 of the 31
+    other positions); GPU tiles do, and the batch-invariance tests rely on it."""
+    assert _rows_that_change_with_position() == 0
+    from triton.runtime import interpreter
+
+    def planted(self, a, b, d, input_precision, max_num_imprecise_acc):  # the tile's lower half sums k backwards
+        out = np.matmul(a.data, b.data)
+        half = a.data.shape[0] // 2
+        out[half:] = np.matmul(a.data[half:, ::-1], b.data[::-1])
+        return interpreter.TensorHandle(out + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", planted)
+    assert _rows_that_change_with_position() > 0
