@@ -18,8 +18,8 @@ run with numpy 2.4. Importing this module under the interpreter refuses that pai
 
 The interpreter's `tl.dot` is numpy's matmul, and OpenBLAS's sgemm on some CPUs gives a row different bits at
 different positions in the tile (measured 2026-12-02 on an AMD EPYC with AVX-512, OpenBLAS 0.3.30: its default and
-Haswell kernels; its SkylakeX kernel, the earlier CI machines', does not), which no GPU tile does: the CPU
-batch-invariance tests then fail on the machine, not the kernel. Under the interpreter this module makes fp32 dots
+Haswell kernels do, its SkylakeX kernel does not; CI had passed on earlier machines), which no GPU tile does: 15 CPU
+batch-invariance tests failed there on the machine, not the kernels. Under the interpreter this module makes fp32 dots
 position-independent (`_interpreter_dot`).
 """
 
