@@ -257,3 +257,15 @@ def test_gpu_a_neighbours_nan_does_not_reach_a_sequence(d):
         t[60:70] = float("nan")
     planted = grads(q, k, v, do, [70, 130])
     assert not torch.isfinite(planted[2][:70]).all(), "NaN in the sequence's own rows must reach its dk"
+
+
+def test_row_descriptor_views_the_rows_in_boxes_of_one_head():
+    from triton.experimental.gluon import language as gl
+
+    from rl_engine.kernels.ops.triton.attention.gluon_forward import row_descriptor
+
+    x = torch.zeros(192, 4, 128, dtype=torch.bfloat16)
+    d = row_descriptor(x, 64)
+    assert d.base.data_ptr() == x.data_ptr() and d.shape == [192, 512] and d.strides == [512, 1]
+    assert d.block_shape == [64, 128] and d.layout == gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
+    assert row_descriptor(x[:100], 64).layout is d.layout, "the layout is built once per box"

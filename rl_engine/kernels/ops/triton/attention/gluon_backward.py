@@ -36,6 +36,8 @@ in two probes, the same bits (h200_probe_gluon_hd256_bwd.log, h200_probe_dkdv_in
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -60,6 +62,8 @@ from rl_engine.kernels.ops.triton.attention.gluon_forward import (
     _sequence,
     _tile_blocks,
     check_rows,
+    mock_row_descriptor,
+    row_descriptor,
 )
 from rl_engine.kernels.ops.triton.attention.gluon_forward import covers as _covers
 
@@ -519,15 +523,6 @@ def covers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return _covers(q, k, v, HEAD_DIMS)
 
 
-def _descriptor(x, block_rows):
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    two_d = x.view(x.shape[0], x.shape[1] * x.shape[2])
-    block = [block_rows, x.shape[2]]
-    return TensorDescriptor(two_d, list(two_d.shape), list(two_d.stride()), block,
-                            gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
-
-
 def shifted_rows(x: torch.Tensor) -> torch.Tensor:
     """[R, Hq] per-row values (LSE, delta) -> [4·Hq, R'] for the dK/dV producer's TMA: a block's rows [r, r + n) of
     head h would be one box of a [Hq, R] copy, but a box's innermost coordinate must be 16-byte aligned and a block
@@ -540,7 +535,7 @@ def shifted_rows(x: torch.Tensor) -> torch.Tensor:
     return padded.as_strided((4, heads, cols), (heads, 1, heads)).contiguous().view(4 * heads, cols)
 
 
-def _row_descriptor(x):
+def _shifted_rows_descriptor(x):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     t = shifted_rows(x)
@@ -562,7 +557,7 @@ def gluon_dq(do, q, k, v, lse, delta, table, *, causal: bool, scale: float, out=
     consumers, stages, regs = DQ_SHAPES[d]
     grid = (triton.cdiv(max(table.max_q_count, 1), consumers * BLOCK_M), hq, table.num_sequences)
     gluon_dq_kernel[grid](
-        _descriptor(q, BLOCK_M), _descriptor(do, BLOCK_M), _descriptor(k, block_n), _descriptor(v, block_n),
+        row_descriptor(q, BLOCK_M), row_descriptor(do, BLOCK_M), row_descriptor(k, block_n), row_descriptor(v, block_n),
         dq, lse, delta, table.info, dq.stride(0), dq.stride(1), lse.stride(0), scale * LOG2_E, scale,
         hq // k.shape[1], BLOCK_M, block_n, d, stages, causal, regs, consumers, num_warps=4)
     return dq
@@ -580,9 +575,10 @@ def gluon_dkdv(do, q, k, v, lse, delta, table, *, causal: bool, scale: float, ou
     keys_per_cta = BLOCK_M if d > 128 else 2 * BLOCK_M  # gluon_dkdv_kernel's SPLIT
     grid = (triton.cdiv(max(table.max_kv_len, 1), keys_per_cta), hkv, table.num_sequences)
     gluon_dkdv_kernel[grid](
-        _descriptor(q, DKDV_BLOCK_Q), _descriptor(do, DKDV_BLOCK_Q), _descriptor(k, BLOCK_M), _descriptor(v, BLOCK_M),
-        _row_descriptor(lse), _row_descriptor(delta), dk, dv, table.info, dk.stride(0), dk.stride(1), scale * LOG2_E,
-        scale, hq // hkv, DKDV_BLOCK_Q, BLOCK_M, d, DKDV_STAGES, causal, REGS, num_warps=4)
+        row_descriptor(q, DKDV_BLOCK_Q), row_descriptor(do, DKDV_BLOCK_Q), row_descriptor(k, BLOCK_M),
+        row_descriptor(v, BLOCK_M), _shifted_rows_descriptor(lse), _shifted_rows_descriptor(delta), dk, dv, table.info,
+        dk.stride(0), dk.stride(1), scale * LOG2_E, scale, hq // hkv, DKDV_BLOCK_Q, BLOCK_M, d, DKDV_STAGES, causal,
+        REGS, num_warps=4)
     return dk, dv
 
 
@@ -600,12 +596,7 @@ def compile_for_sm90(causal: bool, kernel: str = "dq", head_dim: int = 128):
     backend = make_backend(target)
     block_n = attention_config(torch.bfloat16, head_dim).backward_dq.block_n
 
-    def desc(rows, heads):
-        t = MockTensor("bfloat16", [8192, heads * head_dim])
-        block = [rows, head_dim]
-        return TensorDescriptor(t, [8192, heads * head_dim], [heads * head_dim, 1], block,
-                                gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
-
+    desc = functools.partial(mock_row_descriptor, head_dim=head_dim)
     f32 = MockTensor("float32", [8192, 32])
     rows = MockTensor("bfloat16", [8192, 32, head_dim])
     info = MockTensor("int32", [4, 6])

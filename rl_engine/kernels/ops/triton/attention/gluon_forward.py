@@ -444,11 +444,35 @@ def check_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims=tupl
                          f"{tuple(k.shape)}")
 
 
+@functools.cache
+def _bf16_layout(rows: int, cols: int):
+    """The shared layout of a bf16 [rows, cols] TMA box, built once: get_default_for costs 6-7 us of host time a call
+    on the H200 (docs/evidence/h200_probe_host_time.log), and a forward + backward builds 11 descriptors."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
+
+
+def row_descriptor(x: torch.Tensor, block_rows: int):
+    """A TMA descriptor of bf16 rows [R, H, D] seen as [R, H·D], in boxes of block_rows rows of one head."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    two_d = x.view(x.shape[0], x.shape[1] * x.shape[2])
+    return TensorDescriptor(two_d, list(two_d.shape), list(two_d.stride()), [block_rows, x.shape[2]],
+                            _bf16_layout(block_rows, x.shape[2]))
+
+
+def mock_row_descriptor(rows: int, heads: int, head_dim: int):
+    """`row_descriptor` of a B·S = 8192-row stand-in with `heads` heads, for the compile-only paths (no GPU)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import MockTensor
+
+    width = heads * head_dim
+    return TensorDescriptor(MockTensor("bfloat16", [8192, width]), [8192, width], [width, 1], [rows, head_dim],
+                            _bf16_layout(rows, head_dim))
+
+
 def gluon_forward(q, k, v, table, *, causal: bool, scale: float | None = None):
     """flash.flash_forward's contract for the rows it covers (q [R,Hq,D], k/v [Rk,Hkv,D] bf16 rows, a
     SequenceTable) -> (out [R,Hq,D], lse [R,Hq] fp32 log2); rows no sequence covers are left uninitialised."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     check_rows(q, k, v)
     rows, hq, d = q.shape
     out = torch.empty_like(q)
@@ -462,18 +486,12 @@ def gluon_forward(q, k, v, table, *, causal: bool, scale: float | None = None):
     else:
         t_m = t_l = t_acc = lse  # never read: no tile folds
 
-    def desc(x, block_rows):
-        two_d = x.view(x.shape[0], x.shape[1] * x.shape[2])
-        block = [block_rows, d]
-        return TensorDescriptor(two_d, list(two_d.shape), list(two_d.stride()), block,
-                                gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
-
     consumers, stages, regs = SHAPES[d]
     block_n = attention_config(q.dtype, d).forward.block_n  # flash.py's key blocks: its bits
     grid = (triton.cdiv(max(table.max_q_count, 1), consumers * BLOCK_M), hq, table.num_sequences)
     gluon_forward_kernel[grid](
-        desc(q, BLOCK_M), desc(k, block_n), desc(v, block_n), out, lse, t_m, t_l, t_acc, table.info,
-        out.stride(0), out.stride(1), lse.stride(0), t_acc.stride(0) if t_acc.dim() == 3 else 0,
+        row_descriptor(q, BLOCK_M), row_descriptor(k, block_n), row_descriptor(v, block_n), out, lse, t_m, t_l, t_acc,
+        table.info,        out.stride(0), out.stride(1), lse.stride(0), t_acc.stride(0) if t_acc.dim() == 3 else 0,
         t_acc.stride(1) if t_acc.dim() == 3 else 0, default_scale(d, scale) * LOG2_E, hq // k.shape[1],
         BLOCK_M, block_n, d, stages, causal, kv_split, consumers, regs, num_warps=4)
     return out, lse
@@ -486,7 +504,6 @@ def compile_for_sm90(causal: bool, head_dim: int = 128):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import MockTensor, create_function_from_signature
 
     target = GPUTarget("cuda", 90, 32)
@@ -494,14 +511,9 @@ def compile_for_sm90(causal: bool, head_dim: int = 128):
     consumers, stages, regs = SHAPES[head_dim]
     block_n = attention_config(torch.bfloat16, head_dim).forward.block_n
 
-    def desc(rows, heads):
-        t = MockTensor("bfloat16", [8192, heads * head_dim])
-        block = [rows, head_dim]
-        return TensorDescriptor(t, [8192, heads * head_dim], [heads * head_dim, 1], block,
-                                gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
-
     kernel = gluon_forward_kernel
     f32 = MockTensor("float32", [8192, 32])
+    desc = functools.partial(mock_row_descriptor, head_dim=head_dim)
     args = (desc(BLOCK_M, 32), desc(block_n, 8), desc(block_n, 8), MockTensor("bfloat16", [8192, 32, head_dim]),
             f32, f32, f32, MockTensor("float32", [8192, 32, head_dim]), MockTensor("int32", [4, 6]),
             32 * head_dim, head_dim, 32, 32 * head_dim, head_dim, 0.1, 4,
