@@ -92,7 +92,6 @@ def test_a_whole_gate_run_writes_its_summary_and_verdict(tmp_path, monkeypatch, 
     assert "GPU gate PASSED: pytest -m gpu 140 passed" in capsys.readouterr().out
 
 
-
 def _tree(root):
     for rel, text in {"rl_engine/a.py": "x = 1\n", "tests/test_a.py": "def test(): pass\n", "pyproject.toml": "[p]\n",
                       "benchmarks/results/a.json": "{}", "rl_engine/__pycache__/a.pyc": "bytes"}.items():

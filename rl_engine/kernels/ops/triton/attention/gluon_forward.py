@@ -491,7 +491,7 @@ def gluon_forward(q, k, v, table, *, causal: bool, scale: float | None = None):
     grid = (triton.cdiv(max(table.max_q_count, 1), consumers * BLOCK_M), hq, table.num_sequences)
     gluon_forward_kernel[grid](
         row_descriptor(q, BLOCK_M), row_descriptor(k, block_n), row_descriptor(v, block_n), out, lse, t_m, t_l, t_acc,
-        table.info,        out.stride(0), out.stride(1), lse.stride(0), t_acc.stride(0) if t_acc.dim() == 3 else 0,
+        table.info, out.stride(0), out.stride(1), lse.stride(0), t_acc.stride(0) if t_acc.dim() == 3 else 0,
         t_acc.stride(1) if t_acc.dim() == 3 else 0, default_scale(d, scale) * LOG2_E, hq // k.shape[1],
         BLOCK_M, block_n, d, stages, causal, kv_split, consumers, regs, num_warps=4)
     return out, lse
