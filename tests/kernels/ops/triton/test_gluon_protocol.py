@@ -124,10 +124,9 @@ def forward(rng, consumers, stages):
 def dkdv(rng, stages, slip=0, shared_tile=False, zero_late=False):
     """shared_tile: head_dim 256's form, a dV and a dK consumer on one key tile (the same block ranges)."""
     ranges, glo, ghi = _tiles(rng, 2, max_lo=4)
-    if shared_tile:
-        ranges = [ranges[0]] * 2
-        glo, ghi = (ranges[0][0], ranges[0][1]) if ranges[0][1] > ranges[0][0] else (glo, glo)
-        ranges = [(lo, hi) if hi > lo else (glo, glo) for lo, hi in ranges]
+    if shared_tile:  # the first consumer's range for both (an empty one is (glo, glo): nothing streamed)
+        (glo, ghi), = ranges[:1]
+        ranges = [(glo, ghi)] * 2
     group = rng.randint(1, 4)
     ready, empty, slots = [Barrier(1) for _ in range(stages)], [Barrier(2) for _ in range(stages)], [None] * stages
     agents = [_producer(ready, empty, slots, glo, ghi, stages, group)]
