@@ -185,26 +185,12 @@ if interpreting():
             out = x.to(dtype)
         return out
 
-    cast_rne_paired = cast_rne
-
 else:
 
     @triton.jit
     def cast_rne(x, dtype: tl.constexpr):
         """fp32 x cast to dtype; the GPU's conversion already rounds to nearest even."""
         return x.to(dtype)
-
-    @triton.jit
-    def cast_rne_paired(x, dtype: tl.constexpr):
-        """cast_rne for a tile with an even number of elements per thread, bf16 two at a time: Triton 3.6 converts
-        attention's p one element at a time (F2F, on the MUFU pipe beside its exp2s), cvt.rn.bf16x2.f32 is one
-        F2FP on the ALU with the same rounding (the Gluon forward: +4-8% at head_dim 128 on the H200)."""
-        if dtype == tl.bfloat16:
-            out = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [x], dtype=tl.bfloat16,
-                                            is_pure=True, pack=2)
-        else:
-            out = x.to(dtype)
-        return out
 
 
 @functools.cache

@@ -49,16 +49,39 @@ def test_attention_compiles_for_the_h200(report, kind, case):
     if case.startswith("bf16") and int(case.split("/")[1]) >= 64 and kind != "combine" and _mma_rows(kind, case) >= 64:
         assert result["wgmma"] > 0, "bf16 tiles of 64 rows should reach Hopper's asynchronous tensor-core MMA"
     if case.startswith("bf16") and kind in ("forward", "forward_partial"):
-        assert result["single_bf16_cvt"] == 0, "p rounded to bf16 one element at a time (F2F): cast_rne_paired"
+        assert result["single_bf16_cvt"] == 0, "p rounded to bf16 one element at a time (F2F)"
 
 
-def test_the_single_cvt_count_sees_p_rounded_one_at_a_time():
-    # Planted: the forward's p rounded by cast_rne (Triton's one-at-a-time conversion) instead of cast_rne_paired.
+_PLANTED_SOFTMAX_BLOCK = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def planted(q, k, v, m, l, acc, visible, qk_scale, kv_base: tl.constexpr, MASKED: tl.constexpr,
+            DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+    alpha = tl.math.exp2(m - m_new)
+    p_v = tl.math.exp2(tl.fma(s, qk_scale, -m_new[:, None])).to(kv_base)
+    l = l * alpha + tl.sum(p_v.to(tl.float32), 1)
+    return m_new, l, tl.dot(p_v, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+"""
+
+
+def test_the_single_cvt_count_sees_p_rounded_one_at_a_time(tmp_path):
+    # Planted: the forward's softmax block with l summed from p converted back to fp32 (flash.py's form before
+    # l became a product): Triton 3.6 then rounds p to bf16 one element at a time (F2F, on the MUFU pipe).
+    (tmp_path / "planted_block.py").write_text(_PLANTED_SOFTMAX_BLOCK)
     code = (
-        "import json, unittest.mock as m, torch\n"
+        "import json, sys, unittest.mock as m, torch\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "from planted_block import planted\n"
         "from rl_engine.kernels.ops.triton import sm90\n"
         "from rl_engine.kernels.ops.triton.attention import flash\n"
-        "with m.patch.object(flash, 'cast_rne_paired', flash.cast_rne):\n"
+        "with m.patch.object(flash, '_online_softmax_block', planted):\n"
         "    print(json.dumps(sm90._summary(sm90.compile_attention('forward', torch.bfloat16, 64))))\n"
     )
     env = dict(os.environ, TRITON_INTERPRET="0")

@@ -338,9 +338,8 @@ def _dkdv_block(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dk, dv, q
 @gluon.jit
 def _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, dk, dv, q_pos0,
                q_count, first, last, t0, start_n, kv_len, window, qk_scale, s_zero,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-               MASKED: gl.constexpr, CAUSAL: gl.constexpr, ROLE: gl.constexpr, s_layout: gl.constexpr,
-               o_layout: gl.constexpr):
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
+               CAUSAL: gl.constexpr, ROLE: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Query blocks [first, last) of one head, ring slots t0 + m. In a block with rows past q_count (the
     sequence's last) those Q and dO rows are zeroed in the ring slot itself first (a neighbour's rows could hold
     anything, and 0·NaN is NaN): the CTA's consumers read the same block and write the same zeros."""
@@ -402,13 +401,13 @@ def _dkdv_consumer(k_smem, v_smem, kv_bar, q_bufs, do_bufs, lse_bufs, delta_bufs
         _drain(ready, empty, glo, lo_b, glo - g * nb, STAGES)
         dk, dv = _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, dk,
                             dv, q_pos0, q_count, lo_b, mid_b, t0, start_n, kv_len, window, qk_scale,
-                            s_zero, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, True, CAUSAL, ROLE, s_layout, o_layout)
+                            s_zero, BLOCK_M, BLOCK_N, STAGES, True, CAUSAL, ROLE, s_layout, o_layout)
         dk, dv = _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, dk,
                             dv, q_pos0, q_count, mid_b, full_b, t0, start_n, kv_len, window, qk_scale,
-                            s_zero, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, False, CAUSAL, ROLE, s_layout, o_layout)
+                            s_zero, BLOCK_M, BLOCK_N, STAGES, False, CAUSAL, ROLE, s_layout, o_layout)
         dk, dv = _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, dk,
                             dv, q_pos0, q_count, full_b, hi_b, t0, start_n, kv_len, window, qk_scale,
-                            s_zero, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, True, CAUSAL, ROLE, s_layout, o_layout)
+                            s_zero, BLOCK_M, BLOCK_N, STAGES, True, CAUSAL, ROLE, s_layout, o_layout)
         _drain(ready, empty, hi_b, ghi, glo - g * nb, STAGES)
     k_idx = start_n + gl.arange(0, BLOCK_N, row_o)
     d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
@@ -485,37 +484,29 @@ def gluon_dkdv_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, DK,
     mbarrier.expect(kv_bars.index(0), nbytes)
     tma.async_copy_global_to_shared(desc_k, [k_row0 + start_n, kv_col], kv_bars.index(0), k0)
     tma.async_copy_global_to_shared(desc_v, [k_row0 + start_n, kv_col], kv_bars.index(0), v0)
-    if SPLIT:
-        gl.warp_specialize([
-            (_dkdv_consumer, (k0, v0, kv_bars.index(0), q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, DK, DV,
-                              stride_kr, stride_kh, qk_scale, scale, kv_head, group, q_count, q_pos0, k_row0, kv_len,
-                              window, start_n, lo0, mid0, full0, hi0, glo, ghi,
-                              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DV_ONLY)),
-            (_dkdv_consumer, (k0, v0, kv_bars.index(0), q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, DK, DV,
-                              stride_kr, stride_kh, qk_scale, scale, kv_head, group, q_count, q_pos0, k_row0, kv_len,
-                              window, start_n, lo1, mid1, full1, hi1, glo, ghi,
-                              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DK_ONLY)),
-            (_qdo_producer, (desc_q, desc_do, desc_lse, desc_delta, q_bufs, do_bufs, lse_bufs, delta_bufs, ready,
-                             empty, q_row0, kv_head, group, glo, ghi, BLOCK_M, HEAD_DIM, STAGES)),
-        ], [4, 1], [REGS, 24])
+    if SPLIT:  # one tile: the consumers share its K and V, one forming dV, the other dK
+        k1 = k0
+        v1 = v0
+        kv_bar1 = kv_bars.index(0)
     else:
         k1 = gl.allocate_shared_memory(desc_k.dtype, desc_k.block_type.shape, desc_k.layout)
         v1 = gl.allocate_shared_memory(desc_v.dtype, desc_v.block_type.shape, desc_v.layout)
-        mbarrier.expect(kv_bars.index(1), nbytes)
-        tma.async_copy_global_to_shared(desc_k, [k_row0 + start_n1, kv_col], kv_bars.index(1), k1)
-        tma.async_copy_global_to_shared(desc_v, [k_row0 + start_n1, kv_col], kv_bars.index(1), v1)
-        gl.warp_specialize([
-            (_dkdv_consumer, (k0, v0, kv_bars.index(0), q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, DK, DV,
-                              stride_kr, stride_kh, qk_scale, scale, kv_head, group, q_count, q_pos0, k_row0, kv_len,
-                              window, start_n, lo0, mid0, full0, hi0, glo, ghi,
-                              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, BOTH)),
-            (_dkdv_consumer, (k1, v1, kv_bars.index(1), q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, DK, DV,
-                              stride_kr, stride_kh, qk_scale, scale, kv_head, group, q_count, q_pos0, k_row0, kv_len,
-                              window, start_n1, lo1, mid1, full1, hi1, glo, ghi,
-                              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, BOTH)),
-            (_qdo_producer, (desc_q, desc_do, desc_lse, desc_delta, q_bufs, do_bufs, lse_bufs, delta_bufs, ready,
-                             empty, q_row0, kv_head, group, glo, ghi, BLOCK_M, HEAD_DIM, STAGES)),
-        ], [4, 1], [REGS, 24])
+        kv_bar1 = kv_bars.index(1)
+        mbarrier.expect(kv_bar1, nbytes)
+        tma.async_copy_global_to_shared(desc_k, [k_row0 + start_n1, kv_col], kv_bar1, k1)
+        tma.async_copy_global_to_shared(desc_v, [k_row0 + start_n1, kv_col], kv_bar1, v1)
+    gl.warp_specialize([
+        (_dkdv_consumer, (k0, v0, kv_bars.index(0), q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, DK, DV,
+                          stride_kr, stride_kh, qk_scale, scale, kv_head, group, q_count, q_pos0, k_row0, kv_len,
+                          window, start_n, lo0, mid0, full0, hi0, glo, ghi,
+                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DV_ONLY if SPLIT else BOTH)),
+        (_dkdv_consumer, (k1, v1, kv_bar1, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, DK, DV,
+                          stride_kr, stride_kh, qk_scale, scale, kv_head, group, q_count, q_pos0, k_row0, kv_len,
+                          window, start_n1, lo1, mid1, full1, hi1, glo, ghi,
+                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DK_ONLY if SPLIT else BOTH)),
+        (_qdo_producer, (desc_q, desc_do, desc_lse, desc_delta, q_bufs, do_bufs, lse_bufs, delta_bufs, ready,
+                         empty, q_row0, kv_head, group, glo, ghi, BLOCK_M, HEAD_DIM, STAGES)),
+    ], [4, 1], [REGS, 24])
 
 
 def covers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -10,8 +10,8 @@ p·v is in flight (FA3's intra-warpgroup overlap; p goes to the tensor cores str
 SASS ptxas moves that softmax below the wait for p·v (docs/kernels.md), so what overlaps a consumer's softmax is
 the other warpgroups' MMAs. The per-row arithmetic is flash.py's
 instruction for instruction and in flash.py's order (its key blocks from the sequence's first key, exp2 of an
-explicit fma, p rounded to bf16 before its row sum and its product, masks by `where`, acc += p·v then
-acc *= alpha, the KV-split folds with the same fmas, the same accumulator layouts), so every row gets
+explicit fma, p rounded to bf16 before its products, l a product too (p·1, beside p·v), masks by `where`,
+acc += p·v then acc *= alpha, the KV-split folds with the same fmas, the same accumulator layouts), so every row gets
 flash.py's bits and the decode, packed and chunked paths need not move.
 
 It takes flash.py's sequence tables (padded, left-padded, packed, chunked), reads keys past kv_len as zeros (a
@@ -56,6 +56,8 @@ BLOCK_M = 64  # rows per consumer warpgroup; keys per block are flash.py's forwa
 # time; rounding two at a time, 5-6% faster at S >= 4k, 8% slower at 2k (h200_probe_flash_cvt_gluon_hd64_host.log),
 # and no other ring depth or consumer count faster (h200_probe_host_time.log).
 SHAPES = {64: (3, 3, 160), 128: (3, 3, 160), 256: (2, 4, 240)}
+# l_acc: a consumer's [64, 16] fp32 tile of p·1 (8 registers a thread), each column the row's l.
+L_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
 
 
 @gluon.jit
@@ -73,18 +75,19 @@ def _producer(desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col
 
 @gluon.jit
 def _to_bf16(x):
-    """x.to(bf16) (round to nearest even), two elements per instruction: Triton 3.6 converts one at a time with F2F,
-    which issues on the MUFU pipe beside the exp2s; cvt.rn.bf16x2.f32 is one F2FP on the ALU. runtime.cast_rne_paired
-    is the same instruction for flash.py (Triton's dialect; Gluon's inline_asm_elementwise is its own)."""
+    """x.to(bf16) (round to nearest even), two elements per instruction: cvt.rn.bf16x2.f32, one F2FP on the ALU.
+    Triton 3.6 converted p one element at a time (F2F, on the MUFU pipe beside the exp2s) while l summed p back in
+    fp32; with l a product it packs the conversion itself, but in this layout with ~100 more PRMTs per kernel than
+    this instruction's (sm_90a SASS, head_dim 128; flash.py's kernel compiles the same either way)."""
     return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [x], dtype=gl.bfloat16, is_pure=True,
                                      pack=2)
 
 
 @gluon.jit
-def _softmax_block(qk, m, l, j, q_pos, k_base, kv_len, window, qk_scale, BLOCK_N: gl.constexpr,
-                   MASKED: gl.constexpr, CAUSAL: gl.constexpr):
-    """flash.py's `_online_softmax_block` up to the p·v product, on the wgmma accumulator layout; a masked
-    block's visibility is `_masked_kv_block`'s."""
+def _softmax_block(qk, m, j, q_pos, k_base, kv_len, window, qk_scale, BLOCK_N: gl.constexpr, MASKED: gl.constexpr,
+                   CAUSAL: gl.constexpr):
+    """flash.py's `_online_softmax_block` up to its products (p·v and l's p·1), on the wgmma accumulator layout;
+    a masked block's visibility is `_masked_kv_block`'s."""
     if MASKED:
         k_pos = j * BLOCK_N + k_base
         visible = gl.expand_dims(k_pos < kv_len, 0) & (gl.expand_dims(k_pos, 0) > gl.expand_dims(q_pos - window, 1))
@@ -94,8 +97,13 @@ def _softmax_block(qk, m, l, j, q_pos, k_base, kv_len, window, qk_scale, BLOCK_N
     m_new = gl.maximum(m, gl.max(qk, 1) * qk_scale)
     alpha = gl.exp2(m - m_new)
     p_v = _to_bf16(gl.exp2(gl.fma(qk, qk_scale, -gl.expand_dims(m_new, 1))))
-    l = l * alpha + gl.sum(p_v.to(gl.float32), 1)
-    return m_new, l, p_v, alpha
+    return m_new, p_v, alpha
+
+
+@gluon.jit
+def _row_l(l_acc, row_s: gl.constexpr):
+    """The rows' l from l_acc (its columns are equal: the max of them is any of them), as a row vector."""
+    return gl.convert_layout(gl.max(l_acc, 1), row_s)
 
 
 @gluon.jit
@@ -123,7 +131,8 @@ def _drain(kv_ready, kv_empty, first, last, glo, STAGES: gl.constexpr):
 @gluon.jit
 def _last_product(a_op, bufs, tail, acc, kv_empty, hi_b, glo, kv_len, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """acc += a_op · (the tile's last key block, hi_b - 1), then its ring slot released. Keys past kv_len (a
-    neighbour's rows) are read as zeros, as in flash.py, through the consumer's own copy `tail`."""
+    neighbour's rows) are read as zeros, as in flash.py, through the consumer's own copy `tail`. It waits for
+    every product in flight, a caller's earlier ones too."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     j = hi_b - 1
     s = (j - glo) % STAGES
@@ -166,14 +175,15 @@ def _fold(T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, has_t,
 
 
 @gluon.jit
-def _step(p_prev, m, l, acc, has_t, j, q_smem, k_bufs, v_bufs, kv_ready, kv_empty, T_M, T_L, t_ptr, rows_s,
+def _step(p_prev, m, l_acc, acc, has_t, j, q_smem, k_bufs, v_bufs, ones, kv_ready, kv_empty, T_M, T_L, t_ptr, rows_s,
           rows_ok_s, rows_ok_o, head, stride_lr, q_pos, k_base, kv_len, window, qk_scale, s_zero, glo,
           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_SPLIT: gl.constexpr, MASKED: gl.constexpr,
           CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """Key block j (not the tile's first): its q·kᵀ and block j-1's p·v issued together, block j's softmax
-    run while p·v is in flight (FA3's intra-warpgroup overlap), then acc rescaled. The operations on a row
-    are flash.py's in flash.py's order: acc += p_{j-1}·v_{j-1}, then acc *= alpha_j. When block j-1 ended a
-    split, block j's softmax starts from a fresh state and the finished split is folded into T_M/T_L/T_ACC."""
+    """Key block j (not the tile's first): its q·kᵀ and block j-1's p·v and p·1 issued together, block j's
+    softmax run while they are in flight (FA3's intra-warpgroup overlap), then acc and l rescaled. The operations
+    on a row are flash.py's in flash.py's order: acc += p_{j-1}·v_{j-1}, then acc *= alpha_j (l alike: l_acc
+    holds the row's l in each of its 16 columns). When block j-1 ended a split, block j's softmax starts from a
+    fresh state and the finished split is folded into T_M/T_L/T_ACC."""
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     t = j - glo
@@ -182,28 +192,29 @@ def _step(p_prev, m, l, acc, has_t, j, q_smem, k_bufs, v_bufs, kv_ready, kv_empt
     mbarrier.wait(kv_ready.index(s), (t // STAGES) & 1)
     qk = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     acc = warpgroup_mma(p_prev, v_bufs.index(prv), acc, is_async=True)
-    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
+    l_acc = warpgroup_mma(p_prev, ones, l_acc, is_async=True)
+    qk = warpgroup_mma_wait(num_outstanding=2, deps=(qk, ))
     fresh = ((j * BLOCK_N) % KV_SPLIT) == 0
     m_in = gl.where(fresh, gl.full(m.shape, M_INIT, gl.float32, row_s), m)
-    l_in = gl.where(fresh, gl.full(l.shape, 0.0, gl.float32, row_s), l)
-    m_new, l_new, p_v, alpha = _softmax_block(qk, m_in, l_in, j, q_pos, k_base, kv_len, window, qk_scale, BLOCK_N,
-                                              MASKED, CAUSAL)
-    acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_prev))
+    m_new, p_v, alpha = _softmax_block(qk, m_in, j, q_pos, k_base, kv_len, window, qk_scale, BLOCK_N, MASKED, CAUSAL)
+    acc, l_acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_acc, p_prev))
     mbarrier.arrive(kv_empty.index(prv), count=1)
     if fresh:  # block j-1 ended a split: fold it, this block starts the next
-        m_t, l_t, acc_t = _fold(T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, has_t, m, l, acc,
-                                row_s, o_layout)
+        m_t, l_t, acc_t = _fold(T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, has_t, m,
+                                _row_l(l_acc, row_s), acc, row_s, o_layout)
         gl.store(T_M + rows_s * stride_lr + head, m_t, mask=rows_ok_s)
         gl.store(T_L + rows_s * stride_lr + head, l_t, mask=rows_ok_s)
         gl.store(t_ptr, acc_t, mask=gl.expand_dims(rows_ok_o, 1))
         has_t = 1
-        acc = gl.zeros(acc.shape, gl.float32, o_layout)
+        acc = gl.zeros_like(acc)
+        l_acc = gl.zeros_like(l_acc)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout), assert_trivial=True), 1)
-    return m_new, l_new, acc, gl.convert_layout(p_v, p_layout, assert_trivial=True), has_t
+    l_acc = l_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, L_LAYOUT), assert_trivial=True), 1)
+    return m_new, l_acc, acc, gl.convert_layout(p_v, p_layout, assert_trivial=True), has_t
 
 
 @gluon.jit
-def _consumer(q_smem, q_bar, k_bufs, v_bufs, v_tail, kv_ready, kv_empty, O, LSE, T_M, T_L, T_ACC,
+def _consumer(q_smem, q_bar, k_bufs, v_bufs, v_tail, ones, kv_ready, kv_empty, O, LSE, T_M, T_L, T_ACC,
               stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count, q_pos0,
               first_q, kv_len, window, lo_b, mid_b, hi_b, glo, ghi,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
@@ -223,7 +234,7 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, v_tail, kv_ready, kv_empty, O, LSE,
     _drain(kv_ready, kv_empty, glo, lo_b, glo, STAGES)
     if hi_b > lo_b:
         m = gl.full([BLOCK_M], M_INIT, gl.float32, row_s)
-        l = gl.full([BLOCK_M], 0.0, gl.float32, row_s)
+        l_acc = gl.zeros([BLOCK_M, 16], gl.float32, L_LAYOUT)
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         q_idx = first_q + gl.arange(0, BLOCK_M, row_s)
@@ -243,27 +254,32 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, v_tail, kv_ready, kv_empty, O, LSE,
         qk = warpgroup_mma(q_smem, k_bufs.index(t % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
         if lo_b < mid_b:
-            m, l, p_v, alpha = _softmax_block(qk, m, l, lo_b, q_pos, k_base, kv_len, window, qk_scale, BLOCK_N,
-                                              False, CAUSAL)
+            m, p_v, alpha = _softmax_block(qk, m, lo_b, q_pos, k_base, kv_len, window, qk_scale, BLOCK_N, False,
+                                           CAUSAL)
         else:
-            m, l, p_v, alpha = _softmax_block(qk, m, l, lo_b, q_pos, k_base, kv_len, window, qk_scale, BLOCK_N,
-                                              True, CAUSAL)
+            m, p_v, alpha = _softmax_block(qk, m, lo_b, q_pos, k_base, kv_len, window, qk_scale, BLOCK_N, True,
+                                           CAUSAL)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o, assert_trivial=True), 1)
+        l_acc = l_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, L_LAYOUT), assert_trivial=True), 1)
         p_op = gl.convert_layout(p_v, p_layout, assert_trivial=True)
         u = gl.maximum(mid_b, lo_b + 1)
         for j in range(lo_b + 1, u):  # unmasked blocks
-            m, l, acc, p_op, has_t = _step(p_op, m, l, acc, has_t, j, q_smem, k_bufs, v_bufs, kv_ready, kv_empty,
+            m, l_acc, acc, p_op, has_t = _step(p_op, m, l_acc, acc, has_t, j, q_smem, k_bufs, v_bufs, ones,
+                                               kv_ready, kv_empty,
                                            T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, q_pos,
                                            k_base, kv_len, window, qk_scale, s_zero, glo, BLOCK_N, STAGES,
                                            KV_SPLIT, False, CAUSAL, s_layout, o_layout)
         for j in range(u, hi_b):  # masked blocks
-            m, l, acc, p_op, has_t = _step(p_op, m, l, acc, has_t, j, q_smem, k_bufs, v_bufs, kv_ready, kv_empty,
+            m, l_acc, acc, p_op, has_t = _step(p_op, m, l_acc, acc, has_t, j, q_smem, k_bufs, v_bufs, ones,
+                                               kv_ready, kv_empty,
                                            T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, q_pos,
                                            k_base, kv_len, window, qk_scale, s_zero, glo, BLOCK_N, STAGES,
                                            KV_SPLIT, True, CAUSAL, s_layout, o_layout)
+        l_acc = warpgroup_mma(p_op, ones, l_acc, is_async=True)  # the last block's p·1; done by _last_product's wait
         acc = _last_product(p_op, v_bufs, v_tail, acc, kv_empty, hi_b, glo, kv_len, BLOCK_N, STAGES)  # its p·v
-        m, l, acc = _fold(T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, has_t, m, l, acc,
-                          row_s, o_layout)
+        l_acc = warpgroup_mma_wait(num_outstanding=0, deps=(l_acc, ))
+        m, l, acc = _fold(T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, has_t, m,
+                          _row_l(l_acc, row_s), acc, row_s, o_layout)
         l_safe = gl.where(l == 0.0, 1.0, l)
         out = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o, assert_trivial=True), 1)
         o_ptr = O + gl.expand_dims(rows_o * stride_or + head * stride_oh, 1) + gl.expand_dims(d, 0)
@@ -361,6 +377,10 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
     k_bufs = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
     v_bufs = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
     v_tails = gl.allocate_shared_memory(desc_v.dtype, [CONSUMERS] + desc_v.block_type.shape, desc_v.layout)
+    ones = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 16], gl.NVMMASharedLayout.get_default_for([BLOCK_N, 16],
+                                     gl.bfloat16), gl.full([BLOCK_N, 16], 1.0, gl.bfloat16,
+                                                           gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])))
+    fence_async_shared()  # the consumers' wgmma read it through the async proxy
     q_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -375,11 +395,11 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
     tma.async_copy_global_to_shared(desc_q, [q_row0 + first_q + BLOCK_M, q_col], q_bars.index(1), q1)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (q0, q_bars.index(0), k_bufs, v_bufs, v_tails.index(0), kv_ready, kv_empty, O, LSE, T_M, T_L,
+            (_consumer, (q0, q_bars.index(0), k_bufs, v_bufs, v_tails.index(0), ones, kv_ready, kv_empty, O, LSE, T_M, T_L,
                          T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count,
                          q_pos0, first_q, kv_len, window, lo0, mid0, hi0, glo, ghi,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
-            (_consumer, (q1, q_bars.index(1), k_bufs, v_bufs, v_tails.index(1), kv_ready, kv_empty, O, LSE, T_M, T_L,
+            (_consumer, (q1, q_bars.index(1), k_bufs, v_bufs, v_tails.index(1), ones, kv_ready, kv_empty, O, LSE, T_M, T_L,
                          T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count,
                          q_pos0, first_q + BLOCK_M, kv_len, window, lo1, mid1, hi1, glo, ghi,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
@@ -391,15 +411,15 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
         mbarrier.expect(q_bars.index(2), desc_q.block_type.nbytes)
         tma.async_copy_global_to_shared(desc_q, [q_row0 + first_q + 2 * BLOCK_M, q_col], q_bars.index(2), q2)
         gl.warp_specialize([
-            (_consumer, (q0, q_bars.index(0), k_bufs, v_bufs, v_tails.index(0), kv_ready, kv_empty, O, LSE, T_M, T_L,
+            (_consumer, (q0, q_bars.index(0), k_bufs, v_bufs, v_tails.index(0), ones, kv_ready, kv_empty, O, LSE, T_M, T_L,
                          T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count,
                          q_pos0, first_q, kv_len, window, lo0, mid0, hi0, glo, ghi,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
-            (_consumer, (q1, q_bars.index(1), k_bufs, v_bufs, v_tails.index(1), kv_ready, kv_empty, O, LSE, T_M, T_L,
+            (_consumer, (q1, q_bars.index(1), k_bufs, v_bufs, v_tails.index(1), ones, kv_ready, kv_empty, O, LSE, T_M, T_L,
                          T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count,
                          q_pos0, first_q + BLOCK_M, kv_len, window, lo1, mid1, hi1, glo, ghi,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
-            (_consumer, (q2, q_bars.index(2), k_bufs, v_bufs, v_tails.index(2), kv_ready, kv_empty, O, LSE, T_M, T_L,
+            (_consumer, (q2, q_bars.index(2), k_bufs, v_bufs, v_tails.index(2), ones, kv_ready, kv_empty, O, LSE, T_M, T_L,
                          T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count,
                          q_pos0, first_q + 2 * BLOCK_M, kv_len, window, lo2, mid2, hi2, glo, ghi,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
