@@ -395,14 +395,14 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
     tma.async_copy_global_to_shared(desc_q, [q_row0 + first_q + BLOCK_M, q_col], q_bars.index(1), q1)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (q0, q_bars.index(0), k_bufs, v_bufs, v_tails.index(0), ones, kv_ready, kv_empty, O, LSE, T_M, T_L,
-                         T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count,
-                         q_pos0, first_q, kv_len, window, lo0, mid0, hi0, glo, ghi,
-                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
-            (_consumer, (q1, q_bars.index(1), k_bufs, v_bufs, v_tails.index(1), ones, kv_ready, kv_empty, O, LSE, T_M, T_L,
-                         T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count,
-                         q_pos0, first_q + BLOCK_M, kv_len, window, lo1, mid1, hi1, glo, ghi,
-                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
+            (_consumer, (q0, q_bars.index(0), k_bufs, v_bufs, v_tails.index(0), ones, kv_ready, kv_empty, O, LSE, T_M,
+                         T_L, T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0,
+                         q_count, q_pos0, first_q, kv_len, window, lo0, mid0, hi0, glo, ghi, BLOCK_M, BLOCK_N, HEAD_DIM,
+                         STAGES, CAUSAL, KV_SPLIT)),
+            (_consumer, (q1, q_bars.index(1), k_bufs, v_bufs, v_tails.index(1), ones, kv_ready, kv_empty, O, LSE, T_M,
+                         T_L, T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0,
+                         q_count, q_pos0, first_q + BLOCK_M, kv_len, window, lo1, mid1, hi1, glo, ghi, BLOCK_M, BLOCK_N,
+                         HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
             (_producer, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col, glo, ghi, BLOCK_N,
                          STAGES)),
         ], [4, 1], [REGS, 24])
@@ -411,18 +411,18 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
         mbarrier.expect(q_bars.index(2), desc_q.block_type.nbytes)
         tma.async_copy_global_to_shared(desc_q, [q_row0 + first_q + 2 * BLOCK_M, q_col], q_bars.index(2), q2)
         gl.warp_specialize([
-            (_consumer, (q0, q_bars.index(0), k_bufs, v_bufs, v_tails.index(0), ones, kv_ready, kv_empty, O, LSE, T_M, T_L,
-                         T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count,
-                         q_pos0, first_q, kv_len, window, lo0, mid0, hi0, glo, ghi,
-                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
-            (_consumer, (q1, q_bars.index(1), k_bufs, v_bufs, v_tails.index(1), ones, kv_ready, kv_empty, O, LSE, T_M, T_L,
-                         T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count,
-                         q_pos0, first_q + BLOCK_M, kv_len, window, lo1, mid1, hi1, glo, ghi,
-                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
-            (_consumer, (q2, q_bars.index(2), k_bufs, v_bufs, v_tails.index(2), ones, kv_ready, kv_empty, O, LSE, T_M, T_L,
-                         T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count,
-                         q_pos0, first_q + 2 * BLOCK_M, kv_len, window, lo2, mid2, hi2, glo, ghi,
-                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
+            (_consumer, (q0, q_bars.index(0), k_bufs, v_bufs, v_tails.index(0), ones, kv_ready, kv_empty, O, LSE, T_M,
+                         T_L, T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0,
+                         q_count, q_pos0, first_q, kv_len, window, lo0, mid0, hi0, glo, ghi, BLOCK_M, BLOCK_N, HEAD_DIM,
+                         STAGES, CAUSAL, KV_SPLIT)),
+            (_consumer, (q1, q_bars.index(1), k_bufs, v_bufs, v_tails.index(1), ones, kv_ready, kv_empty, O, LSE, T_M,
+                         T_L, T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0,
+                         q_count, q_pos0, first_q + BLOCK_M, kv_len, window, lo1, mid1, hi1, glo, ghi, BLOCK_M, BLOCK_N,
+                         HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
+            (_consumer, (q2, q_bars.index(2), k_bufs, v_bufs, v_tails.index(2), ones, kv_ready, kv_empty, O, LSE, T_M,
+                         T_L, T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0,
+                         q_count, q_pos0, first_q + 2 * BLOCK_M, kv_len, window, lo2, mid2, hi2, glo, ghi, BLOCK_M,
+                         BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
             (_producer, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col, glo, ghi, BLOCK_N,
                          STAGES)),
         ], [4, 4, 1], [REGS, REGS, 24])
