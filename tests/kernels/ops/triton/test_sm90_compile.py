@@ -66,7 +66,7 @@ def planted(q, k, v, m, l, acc, visible, qk_scale, kv_base: tl.constexpr, MASKED
     m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
     alpha = tl.math.exp2(m - m_new)
     p_v = tl.math.exp2(tl.fma(s, qk_scale, -m_new[:, None])).to(kv_base)
-    l = l * alpha + tl.sum(p_v.to(tl.float32), 1)
+    l = l * alpha[:, None] + tl.sum(p_v.to(tl.float32), 1)[:, None]  # the [BLOCK_M, 16] tile flash.py carries
     return m_new, l, tl.dot(p_v, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
 """
 

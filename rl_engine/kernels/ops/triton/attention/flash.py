@@ -268,9 +268,10 @@ def _online_softmax_block(q, k, v, m, l, acc, visible, qk_scale, kv_base: tl.con
     acc = tl.dot(p_v, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     # l's sum is a product too, p̃·1 (every column of it the row's sum), as the Gluon forward forms it beside
     # p̃·v: on the tensor cores its ~70 instructions a block (unpack, add, shuffles) leave the softmax.
+    # l stays that [BLOCK_M, 16] tile until a split ends (_l_rows): reducing it here would make Triton wait
+    # for the product in every block, and wgmma groups retire in order, so p̃·v's wait with it.
     ones = tl.full([v.shape[0], 16], 1.0, p_v.dtype)
-    l_cols = tl.broadcast_to((l * alpha)[:, None], (acc.shape[0], 16))
-    l = tl.max(tl.dot(p_v, ones, l_cols, input_precision=DOT_PRECISION), 1)
+    l = tl.dot(p_v, ones, l * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l, acc
 
 
@@ -279,6 +280,19 @@ def _fresh_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """(running max, sum, accumulator) of BLOCK_M rows before any key: a split's start, or the fold's."""
     return (tl.full([BLOCK_M], M_INIT, dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
             tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32))
+
+
+@triton.jit
+def _fresh_split(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A split's start as _online_softmax_block carries it: l as the [BLOCK_M, 16] tile of its product."""
+    return (tl.full([BLOCK_M], M_INIT, dtype=tl.float32), tl.zeros([BLOCK_M, 16], dtype=tl.float32),
+            tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32))
+
+
+@triton.jit
+def _l_rows(l):
+    """The row sums from l's product tile (its columns are equal; max picks one without arithmetic)."""
+    return tl.max(l, 1)
 
 
 @triton.jit
@@ -346,7 +360,7 @@ def _flash_forward_kernel(
     kd_col = kv_head * BLOCK_D
 
     m_t, l_t, acc_t = _fresh_state(BLOCK_M, BLOCK_D)
-    m, l, acc = _fresh_state(BLOCK_M, BLOCK_D)
+    m, l, acc = _fresh_split(BLOCK_M, BLOCK_D)
     if FLAT:  # one loop over the blocks; a split's state is folded when its last block is done
         blo = lo
         bhi = hi
@@ -362,8 +376,8 @@ def _flash_forward_kernel(
                                                   False, DOT_FP32, DOT_PRECISION)
                 if not PARTIAL:
                     if (start_n + BLOCK_N) % KV_SPLIT == 0:  # a split ends: fold it, start the next fresh
-                        m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m, l, acc)
-                        m, l, acc = _fresh_state(BLOCK_M, BLOCK_D)
+                        m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m, _l_rows(l), acc)
+                        m, l, acc = _fresh_split(BLOCK_M, BLOCK_D)
         else:
             umid = blo
         for start_n in range(umid, bhi, BLOCK_N):
@@ -373,10 +387,10 @@ def _flash_forward_kernel(
                                               True, DOT_FP32, DOT_PRECISION)
             if not PARTIAL:
                 if (start_n + BLOCK_N) % KV_SPLIT == 0:
-                    m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m, l, acc)
-                    m, l, acc = _fresh_state(BLOCK_M, BLOCK_D)
+                    m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m, _l_rows(l), acc)
+                    m, l, acc = _fresh_split(BLOCK_M, BLOCK_D)
         if not PARTIAL:  # the last split (a fresh state when the last block ended one: a no-op fold)
-            m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m, l, acc)
+            m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m, _l_rows(l), acc)
     else:  # one loop per split
         split_lo = lo // KV_SPLIT * KV_SPLIT
         split_hi = hi
@@ -386,7 +400,7 @@ def _flash_forward_kernel(
         for s0 in range(split_lo, split_hi, KV_SPLIT):
             s1 = tl.minimum(s0 + KV_SPLIT, hi)
             b0 = tl.maximum(s0, lo)
-            m, l, acc = _fresh_state(BLOCK_M, BLOCK_D)
+            m, l, acc = _fresh_split(BLOCK_M, BLOCK_D)
             if MASK_SPLIT:  # fp32 skips the mask split: its speed matters less than its compile time
                 for start_n in range(b0, tl.minimum(mid, s1), BLOCK_N):
                     k, v = _whole_kv_block(K, V, KD, VD, k_row0, start_n, stride_kr, k_col, kd_col, d_ok, EVEN_D,
@@ -399,14 +413,14 @@ def _flash_forward_kernel(
                 m, l, acc = _online_softmax_block(q, k, v, m, l, acc, visible, qk_scale, kv_base,
                                                   True, DOT_FP32, DOT_PRECISION)
             if not PARTIAL:
-                m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m, l, acc)
+                m_t, l_t, acc_t = _merge_split(m_t, l_t, acc_t, m, _l_rows(l), acc)
 
     if PARTIAL:  # this split's state (fresh if it holds none of the tile's keys: folding it is a no-op)
         r64 = (q_row0 + q_idx).to(tl.int64)
         split = tl.program_id(0)
         p_off = split * stride_ps + r64 * stride_pr + head * stride_ph
         tl.store(PM + p_off, m, mask=row_ok)
-        tl.store(PL + p_off, l, mask=row_ok)
+        tl.store(PL + p_off, _l_rows(l), mask=row_ok)
         a_off = split * stride_as + r64 * stride_ar + head * stride_ah
         tl.store(PACC + a_off[:, None] + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
     else:

@@ -343,7 +343,8 @@ def _dkdv_walk(k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, emp
     """Query blocks [first, last) of one head, ring slots t0 + m. In a block with rows past q_count (the
     sequence's last) those Q and dO rows are zeroed in the ring slot itself first (a neighbour's rows could hold
     anything, and 0·NaN is NaN): the CTA's consumers read the same block and write the same zeros."""
-    chunk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # 8 rows x 128: 4 registers a thread
+    # 8 rows x 128 columns a tile of it: 4 registers a thread at head_dim <= 128, 8 at 256
+    chunk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     for m in range(first, last):
         t = t0 + m
         st = t % STAGES
@@ -444,11 +445,10 @@ def _dkdv_ranges(start_n, q_pos0, q_count, kv_len, window, CAUSAL: gl.constexpr,
 def gluon_dkdv_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, DK, DV, SEQ_INFO,
                       stride_kr, stride_kh, qk_scale, scale, group,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, REGS: gl.constexpr):
+                      CAUSAL: gl.constexpr, REGS: gl.constexpr, SPLIT: gl.constexpr):
     # grid (cdiv(max kv_len, keys per CTA), Hkv, sequences): under a causal mask the first key blocks do the most
-    # work. Up to head_dim 128 a CTA's two consumers take a 64-key tile each and form its dK and dV; at 256 they
+    # work. A CTA's two consumers take a 64-key tile each and form its dK and dV, or with SPLIT (_splits_tile)
     # share one tile, one forming dV, the other dK.
-    SPLIT: gl.constexpr = HEAD_DIM > 128
     kv_head = gl.program_id(1)
     q_row0, q_count, q_pos0, k_row0, kv_len, window = _sequence(SEQ_INFO)
     if SPLIT:
@@ -563,14 +563,21 @@ def gluon_dkdv(do, q, k, v, lse, delta, table, *, causal: bool, scale: float, ou
     if table.num_sequences == 0 or rows == 0:
         return dk, dv
     hkv = k.shape[1]
-    keys_per_cta = BLOCK_M if d > 128 else 2 * BLOCK_M  # gluon_dkdv_kernel's SPLIT
+    split = _splits_tile(d)
+    keys_per_cta = BLOCK_M if split else 2 * BLOCK_M
     grid = (triton.cdiv(max(table.max_kv_len, 1), keys_per_cta), hkv, table.num_sequences)
     gluon_dkdv_kernel[grid](
         row_descriptor(q, DKDV_BLOCK_Q), row_descriptor(do, DKDV_BLOCK_Q), row_descriptor(k, BLOCK_M),
         row_descriptor(v, BLOCK_M), _shifted_rows_descriptor(lse), _shifted_rows_descriptor(delta), dk, dv, table.info,
         dk.stride(0), dk.stride(1), scale * LOG2_E, scale, hq // hkv, DKDV_BLOCK_Q, BLOCK_M, d, DKDV_STAGES, causal,
-        REGS, num_warps=4)
+        REGS, split, num_warps=4)
     return dk, dv
+
+
+def _splits_tile(head_dim: int) -> bool:
+    """Whether gluon_dkdv_kernel's two consumers share one key tile: past head_dim 128 a 64-key tile's dK and dV
+    would take a consumer's 256 registers."""
+    return head_dim > 128
 
 
 def compile_for_sm90(causal: bool, kernel: str = "dq", head_dim: int = 128):
@@ -601,7 +608,7 @@ def compile_for_sm90(causal: bool, kernel: str = "dq", head_dim: int = 128):
         row = TensorDescriptor(MockTensor("float32", [32, 8192]), [32, 8192], [8192, 1], [1, DKDV_BLOCK_Q], ROW_LAYOUT)
         args = (desc(DKDV_BLOCK_Q, 32), desc(DKDV_BLOCK_Q, 32), desc(BLOCK_M, 8), desc(BLOCK_M, 8), row, row, rows,
                 rows, info, 8 * head_dim, head_dim, 0.1, 0.1, 4, DKDV_BLOCK_Q, BLOCK_M, head_dim, DKDV_STAGES, causal,
-                REGS)
+                REGS, _splits_tile(head_dim))
     bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(
         *args, num_warps=4)
     options, signature, constexprs, attrs = fn._pack_args(backend, {"num_warps": 4}, bound, specialization, options)
