@@ -178,13 +178,13 @@ def test_another_key_block_size_is_caught(monkeypatch):
 
 
 def test_decode_gives_the_same_bits_with_any_number_of_heads_per_tile(monkeypatch):
-    # Batch 1 packs one query head per tile (more programs), larger batches the whole GQA group: a
-    # parallelism choice that must change no bit. Planted: a different KV split is still caught here.
+    # Decode packs the whole GQA group into a tile, a chunk as many heads as fit its queries: a parallelism
+    # choice that must change no bit. Planted: a different KV split is still caught here.
     from rl_engine.kernels.ops.triton.attention import kv_cache_attention as kv
 
-    assert kv._heads_per_tile(4, 64, 1, programs_per_head=8 * 4, sms=132) == 1  # batch 1, 8 KV heads, 4 splits
-    assert kv._heads_per_tile(4, 64, 1, programs_per_head=8 * 4 * 64, sms=132) == 4  # batch 64
-    assert kv._heads_per_tile(4, 16, 20, programs_per_head=8, sms=132) == 1  # a chunk longer than a tile
+    assert kv._heads_per_tile(4, 64, 1) == 4  # decode
+    assert kv._heads_per_tile(4, 64, 20) == 2  # a 20-query chunk: 32 rows a head
+    assert kv._heads_per_tile(4, 16, 20) == 1  # a chunk longer than a tile
     seqs = _sequences([45, 30], 8, 2, 16, torch.bfloat16, seed=8)
     k_cache, v_cache = _cache(seqs)
     q = torch.stack([s[0][-1] for s in seqs])[:, None]

@@ -5,7 +5,7 @@ tokens included: query i of row b sits at position cache_seqlens[b] − Sq + i a
 positions <= its own. It runs the forward kernel of `flash.py` with the same tiles as the prefill
 (key blocks aligned to cache position 0), so a token's output has the same bits as in a full prefill,
 a packed batch, or any chunking. To use the tile's rows when Sq is small (decode), the tile is filled
-with the other query heads of the same KV head, unless that would leave SMs without a program (batch 1);
+with the other query heads of the same KV head;
 a row's result does not depend on its neighbours.
 
 Cached positions at or beyond cache_seqlens[b] are never read (they may hold anything, even NaN).
@@ -14,8 +14,6 @@ clamped to [0, Smax] instead, so a decode step costs no device-to-host synchroni
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -65,24 +63,14 @@ def kv_cache_table(cache_seqlens: torch.Tensor, sq: int, smax: int, device) -> S
     return SequenceTable(info, sq, smax)
 
 
-# Programs a decode step should give the GPU: its SM count (a fixed few under the interpreter).
-INTERPRETER_SMS = 8
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _heads_per_tile(group: int, block_m: int, sq: int, programs_per_head: int, sms: int) -> int:
-    """How many query heads of one KV head share a tile: the most that still fit Sq queries each, unless
-    that leaves the GPU fewer programs than SMs (`programs_per_head`: KV splits x batch rows; a batch-1
-    decode step at 8k cached is 8 KV heads x 4 splits = 32 programs on 132 SMs). Then the most heads
-    that still give every SM a program, or one. A parallelism choice only: a tile's rows do not depend
-    on each other, so the bits are the same for every choice (test_attention_consistency)."""
+def _heads_per_tile(group: int, block_m: int, sq: int) -> int:
+    """How many query heads of one KV head share a tile: the most that still fit Sq queries each. A program walks
+    its tile's keys whatever how many of its rows are queries, so fewer programs never cost time, and one tile per
+    query head multiplied the waves of programs once one CTA filled an SM (cf112e1's shared memory; H200:
+    docs/evidence/h200_probe_decode_heads_per_tile.log). A parallelism choice only: a tile's rows do not depend on
+    each other, so the bits are the same for every choice (test_attention_consistency)."""
     fits = [h for h in range(1, group + 1) if group % h == 0 and block_m % h == 0 and block_m // h >= sq] or [1]
-    busy = [h for h in fits if programs_per_head * (group // h) >= sms]
-    return max(busy) if busy else min(fits)
+    return max(fits)
 
 
 def triton_kv_cache_attention(q, k_cache, v_cache, cache_seqlens, *, scale: float | None = None):
@@ -100,10 +88,7 @@ def triton_kv_cache_attention(q, k_cache, v_cache, cache_seqlens, *, scale: floa
     smax, hkv = k_cache.shape[1], k_cache.shape[2]
     table = kv_cache_table(cache_seqlens, sq, smax, q.device)
     rows = [t.reshape(-1, t.shape[2], t.shape[3]).contiguous() for t in (q, k_cache, v_cache)]
-    config = attention_config(q.dtype, d)
-    splits = triton.cdiv(max(smax, 1), config.kv_split)
-    sms = INTERPRETER_SMS if q.device.type == "cpu" else _sm_count(q.device.index or 0)
-    heads_per_tile = _heads_per_tile(hq // hkv, config.forward.block_m, sq, splits * b * hkv, sms)
+    heads_per_tile = _heads_per_tile(hq // hkv, attention_config(q.dtype, d).forward.block_m, sq)
     with torch.no_grad():  # forward only: cached rows past a length are not covered by the table
         if torch.compiler.is_compiling():  # traced: the custom op, whose fake gives the compiler shapes
             out, _ = flash_attention_op(*rows, table.info, table.max_q_count, table.max_kv_len, True,
