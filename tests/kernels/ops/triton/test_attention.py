@@ -135,6 +135,32 @@ def test_wrong_scale_is_caught():
         _close("out", out, NativeAttentionOp()(q=q, k=k, v=v), torch.float32)
 
 
+def _jumps(q, k, scale, block, threshold=8.0):
+    """How many (row, block) pairs raise a causal row's running max by more than `threshold` log2 units after
+    the row's first block: where the kernels' lazy max (flash.RESCALE_ABOVE) must move and rescale."""
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float().repeat_interleave(q.shape[2] // k.shape[2], 2))
+    s = (s * scale * 1.4426950408889634).masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    s = torch.nn.functional.pad(s, (0, -s.shape[-1] % block), value=float("-inf"))
+    block_max = s.unflatten(-1, (-1, block)).amax(-1)
+    running = block_max.cummax(-1).values
+    return int(((running[..., 1:] - running[..., :-1]) > threshold).sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scores_that_jump_mid_walk_match_gold(dtype):
+    # A few keys 12x longer raise some rows' max by far more than the lazy max's threshold after their first
+    # key block (and lower others'): those rows must move their max and rescale acc and l, the rest must not.
+    q, k, v = _qkv(1, 37, 4, 2, 16, dtype)
+    k[:, 20] *= 12
+    k[:, 33] *= 12
+    assert _jumps(q, k, 16 ** -0.5, 16) > 0
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    got = _grads(TritonAttentionOp(), (q, k, v), grad_out)
+    ref = _grads(lambda q, k, v: NativeAttentionOp()(q=q, k=k, v=v), (q, k, v), grad_out.float())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        _close(name, a, b, dtype)
+
+
 def test_left_padding_with_seq_starts():
     dtype = torch.float32
     q, k, v = _qkv(2, 29, 4, 2, 16, dtype)

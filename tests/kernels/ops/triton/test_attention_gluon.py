@@ -137,6 +137,38 @@ def test_gpu_gives_the_bits_of_the_triton_forward(monkeypatch, name, layout, spe
         assert torch.equal(got_lse[sl], want_lse[sl]), f"sequence {z}: the LSE differs"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_rows_whose_max_jumps_mid_walk_keep_the_bits(monkeypatch, d):
+    """Keys 12x longer every 300 rows raise some rows' running max by more than the lazy max's threshold well
+    after a split's first block (and leave the other rows of the same threads alone): the Gluon forward then
+    rescales only where flash.py's alpha is not 1, and must still give flash.py's bits (a thread that skipped
+    its rows' rescale wrongly would not: the random data of the cases above hardly ever moves a max that far)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is written for Hopper (sm_90a)")
+    from rl_engine.kernels.ops.triton.attention import flash
+    from rl_engine.kernels.ops.triton.attention import gluon_forward as gluon_forward_module
+    from rl_engine.kernels.ops.triton.attention.attention import _packed_table
+    from rl_engine.kernels.ops.triton.attention.gluon_forward import gluon_forward
+
+    spec = [2600, 900, 333]
+    table = _packed_table(sum(spec), torch.tensor([0] + spec).cumsum(0), "cuda")
+    q, k, v = (_bf16(sum(spec), h, d, seed=i, device="cuda") for i, h in enumerate((8, 2, 2)))
+    k[150::300] *= 12  # a sequence's first long key is in its third block (64-key blocks; 32 at head_dim 256)
+    monkeypatch.setattr(gluon_forward_module, "covers", lambda *args: False)  # flash.py's own kernel
+    want, want_lse = flash.flash_forward(q, k, v, table, causal=True, scale=d ** -0.5)
+    monkeypatch.undo()
+    got, got_lse = gluon_forward(q, k, v, table, causal=True)
+    smooth = k.clone()
+    smooth[150::300] /= 12
+    _, smooth_lse = gluon_forward(q, smooth, v, table, causal=True)
+    assert (want_lse - smooth_lse).max().item() > 8, "the long keys must raise some rows' max past the threshold"
+    for z, (q_row0, q_count, *_rest) in enumerate(table.info.cpu().tolist()):
+        sl = slice(q_row0, q_row0 + q_count)
+        assert torch.equal(got[sl], want[sl]), f"sequence {z}: {(got[sl] != want[sl]).float().mean().item():.2e} differ"
+        assert torch.equal(got_lse[sl], want_lse[sl]), f"sequence {z}: the LSE differs"
+
+
 COMPILE_BACKWARD = """
 import json, sys
 from rl_engine.kernels.ops.triton.attention.gluon_backward import compile_for_sm90

@@ -80,6 +80,9 @@ from rl_engine.kernels.ops.triton.runtime import (
 LOG2_E = 1.4426950408889634
 # The running max starts finite so that a block masked for a row gives alpha = exp2(0) = 1, not NaN.
 M_INIT = tl.constexpr(-1.0e30)
+# The running max moves only when a block raises it by more than this many log2 units (`_lazy_max`;
+# FlashAttention-4's conditional rescaling); every kernel and path walks the same rule, so their bits stay equal.
+RESCALE_ABOVE = tl.constexpr(8.0)
 NO_WINDOW = 1 << 30
 _NO_WINDOW = tl.constexpr(NO_WINDOW)  # the same, readable inside kernels
 MAX_SEQUENCES = 65535  # the launch grid's third axis
@@ -246,6 +249,15 @@ def _masked_kv_block(K, V, k_row0, start_n, stride_kr, k_col, d_ok, q_pos, kv_le
 
 
 @triton.jit
+def _lazy_max(m, m_max):
+    """The running max a block moves to: the new maximum m_max only where it exceeds m by more than RESCALE_ABOVE
+    (log2 units), else m, whose stale value only lets p̃ grow to 2^RESCALE_ABOVE (exact in fp32 and bf16's
+    exponent range; out = Σp̃·v / Σp̃ whatever m). alpha is then exactly 1 in almost every block after a split's
+    first, so the Gluon forward skips acc's rescale (64 FMULs a thread a block at head_dim 128)."""
+    return tl.where(m_max - m > RESCALE_ABOVE, m_max, m)
+
+
+@triton.jit
 def _online_softmax_block(q, k, v, m, l, acc, visible, qk_scale, kv_base: tl.constexpr,
                           MASKED: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One key block of the online softmax. The masked and unmasked calls run the same instructions on
@@ -256,7 +268,7 @@ def _online_softmax_block(q, k, v, m, l, acc, visible, qk_scale, kv_base: tl.con
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
     # max(x)·c == max(x·c) for c > 0 (rounding is monotonic): the running max is in log2 units.
-    m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+    m_new = _lazy_max(m, tl.maximum(m, tl.max(s, 1) * qk_scale))
     alpha = tl.math.exp2(m - m_new)
     p = tl.math.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
     # p is rounded to the value dtype for the product (tensor-core operands); l sums the same

@@ -50,6 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from rl_engine.kernels.ops.triton.attention import gluon_forward
 from rl_engine.kernels.ops.triton.attention.flash import LOG2_E, NO_WINDOW, attention_config
 from rl_engine.kernels.ops.triton.attention.gluon_forward import (
     BLOCK_M,
@@ -65,7 +66,6 @@ from rl_engine.kernels.ops.triton.attention.gluon_forward import (
     mock_row_descriptor,
     row_descriptor,
 )
-from rl_engine.kernels.ops.triton.attention.gluon_forward import covers as _covers
 
 HEAD_DIMS = (64, 128, 256)
 CONSUMERS, STAGES, REGS = 2, 4, 240  # a consumer holds block j-1 (its dq product in flight) and block j
@@ -510,8 +510,10 @@ def gluon_dkdv_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, DK,
 
 
 def covers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """gluon_forward.covers for this backward's head dims."""
-    return _covers(q, k, v, HEAD_DIMS)
+    """gluon_forward.covers for this backward's head dims, looked up at each call: bound once at import, it kept
+    whatever stood in for it then (a gpu test's stand-in for flash.py's forward turned the Gluon backward off for
+    the rest of the session when that test imported this module first)."""
+    return gluon_forward.covers(q, k, v, HEAD_DIMS)
 
 
 def shifted_rows(x: torch.Tensor) -> torch.Tensor:

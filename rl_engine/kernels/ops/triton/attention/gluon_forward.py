@@ -42,9 +42,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from rl_engine.kernels.ops.triton.attention import flash
 from rl_engine.kernels.ops.triton.attention.flash import LOG2_E, NO_WINDOW, attention_config, default_scale
 
 M_INIT = gl.constexpr(-1.0e30)
+RESCALE_ABOVE = gl.constexpr(flash.RESCALE_ABOVE.value)
 NO_WINDOW_C = gl.constexpr(NO_WINDOW)
 BLOCK_M = 64  # rows per consumer warpgroup; keys per block are flash.py's forward BLOCK_N for the head_dim
 # head_dim -> (consumer warpgroups, K/V ring depth, registers per consumer thread). A consumer holds block j-1 (its
@@ -94,10 +96,60 @@ def _softmax_block(qk, m, j, q_pos, k_base, kv_len, window, qk_scale, BLOCK_N: g
         if CAUSAL:
             visible = visible & (gl.expand_dims(k_pos, 0) <= gl.expand_dims(q_pos, 1))
         qk = gl.where(visible, qk, float("-inf"))
-    m_new = gl.maximum(m, gl.max(qk, 1) * qk_scale)
+    m_max = gl.maximum(m, gl.max(qk, 1) * qk_scale)
+    m_new = gl.where(m_max - m > RESCALE_ABOVE, m_max, m)  # flash.py's `_lazy_max`
     alpha = gl.exp2(m - m_new)
     p_v = _to_bf16(gl.exp2(gl.fma(qk, qk_scale, -gl.expand_dims(m_new, 1))))
     return m_new, p_v, alpha
+
+
+def _rescale_asm(n: int) -> str:
+    """PTX for n accumulator elements of one thread ($0..: outputs, tied to the inputs $n..; $2n..: each element's
+    alpha; $3n: the thread's flag): x·alpha, branched around when the flag is 0."""
+    muls = "".join(f"mul.f32 ${i}, ${n + i}, ${2 * n + i};" for i in range(n))
+    return f"{{ .reg .pred keep; setp.eq.f32 keep, ${3 * n}, 0f00000000; @keep bra DONE; {muls} DONE: }}"
+
+
+def _rescale_constraints(n: int) -> str:
+    return ",".join(["=f"] * n + [str(i) for i in range(n)] + ["f"] * (2 * n))
+
+
+# A thread's accumulator elements at head_dim 64 / 128 / 256 (a 64-row tile on 128 threads).
+RESCALE_64 = gl.constexpr(_rescale_asm(32))
+RESCALE_128 = gl.constexpr(_rescale_asm(64))
+RESCALE_256 = gl.constexpr(_rescale_asm(128))
+RESCALE_C64 = gl.constexpr(_rescale_constraints(32))
+RESCALE_C128 = gl.constexpr(_rescale_constraints(64))
+RESCALE_C256 = gl.constexpr(_rescale_constraints(128))
+
+
+@gluon.jit
+def _moved(alpha):
+    """1.0 for both rows a thread holds of a row vector (rows r and r + 8 of the wgmma layout) where either
+    row's alpha is not 1, else 0.0: one flag a thread, whatever the order of its accumulator elements."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred a, b; setp.neu.f32 a, $2, 0f3F800000; setp.neu.f32 b, $3, 0f3F800000; or.pred a, a, b; "
+        "selp.f32 $0, 0f3F800000, 0f00000000, a; mov.f32 $1, $0; }",
+        "=f,=f,f,f", [alpha], dtype=gl.float32, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _rescaled(acc, alpha, HEAD_DIM: gl.constexpr, o_layout: gl.constexpr):
+    """acc · alpha (a row vector), the 64 FMULs a thread (head_dim 128) skipped where its rows' alpha is 1: with
+    flash.py's lazy max that is almost every block after a split's first (x·1 = x, the same bits)."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    a = gl.expand_dims(gl.convert_layout(alpha, row_o, assert_trivial=True), 1)
+    moved = gl.expand_dims(gl.convert_layout(_moved(alpha), row_o, assert_trivial=True), 1)
+    if HEAD_DIM == 64:
+        out = gl.inline_asm_elementwise(RESCALE_64, RESCALE_C64, [acc, a, moved], dtype=gl.float32, is_pure=True,
+                                        pack=32)
+    elif HEAD_DIM == 128:
+        out = gl.inline_asm_elementwise(RESCALE_128, RESCALE_C128, [acc, a, moved], dtype=gl.float32, is_pure=True,
+                                        pack=64)
+    else:
+        out = gl.inline_asm_elementwise(RESCALE_256, RESCALE_C256, [acc, a, moved], dtype=gl.float32, is_pure=True,
+                                        pack=128)
+    return out
 
 
 @gluon.jit
@@ -208,7 +260,7 @@ def _step(p_prev, m, l_acc, acc, has_t, j, q_smem, k_bufs, v_bufs, ones, kv_read
         has_t = 1
         acc = gl.zeros_like(acc)
         l_acc = gl.zeros_like(l_acc)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout), assert_trivial=True), 1)
+    acc = _rescaled(acc, alpha, acc.shape[1], o_layout)
     l_acc = l_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, L_LAYOUT), assert_trivial=True), 1)
     return m_new, l_acc, acc, gl.convert_layout(p_v, p_layout, assert_trivial=True), has_t
 
