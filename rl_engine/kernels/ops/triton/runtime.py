@@ -194,6 +194,14 @@ else:
 
 
 @functools.cache
+def sm_count(device_index: int) -> int:
+    """The device's SMs: a persistent kernel's programs."""
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
 def _side_stream(device_index: int):
     import torch
 

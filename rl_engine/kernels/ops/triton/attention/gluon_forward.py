@@ -153,8 +153,8 @@ def _rescaled(acc, alpha, HEAD_DIM: gl.constexpr, o_layout: gl.constexpr):
 
 
 @gluon.jit
-def _row_l(l_acc, row_s: gl.constexpr):
-    """The rows' l from l_acc (its columns are equal: the max of them is any of them), as a row vector."""
+def _l_rows(l_acc, row_s: gl.constexpr):
+    """flash.py's `_l_rows` in row_s: the rows' l from l_acc (its columns are equal: the max of them is any of them)."""
     return gl.convert_layout(gl.max(l_acc, 1), row_s)
 
 
@@ -253,7 +253,7 @@ def _step(p_prev, m, l_acc, acc, has_t, j, q_smem, k_bufs, v_bufs, ones, kv_read
     mbarrier.arrive(kv_empty.index(prv), count=1)
     if fresh:  # block j-1 ended a split: fold it, this block starts the next
         m_t, l_t, acc_t = _fold(T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, has_t, m,
-                                _row_l(l_acc, row_s), acc, row_s, o_layout)
+                                _l_rows(l_acc, row_s), acc, row_s, o_layout)
         gl.store(T_M + rows_s * stride_lr + head, m_t, mask=rows_ok_s)
         gl.store(T_L + rows_s * stride_lr + head, l_t, mask=rows_ok_s)
         gl.store(t_ptr, acc_t, mask=gl.expand_dims(rows_ok_o, 1))
@@ -331,7 +331,7 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, v_tail, ones, kv_ready, kv_empty, O
         acc = _last_product(p_op, v_bufs, v_tail, acc, kv_empty, hi_b, glo, kv_len, BLOCK_N, STAGES)  # its p·v
         l_acc = warpgroup_mma_wait(num_outstanding=0, deps=(l_acc, ))
         m, l, acc = _fold(T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, has_t, m,
-                          _row_l(l_acc, row_s), acc, row_s, o_layout)
+                          _l_rows(l_acc, row_s), acc, row_s, o_layout)
         l_safe = gl.where(l == 0.0, 1.0, l)
         out = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o, assert_trivial=True), 1)
         o_ptr = O + gl.expand_dims(rows_o * stride_or + head * stride_oh, 1) + gl.expand_dims(d, 0)

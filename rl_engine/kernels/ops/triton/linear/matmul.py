@@ -46,6 +46,7 @@ from rl_engine.kernels.ops.triton.runtime import (
     interpreting,
     needs_autograd,
     register_autograd,
+    sm_count,
 )
 
 
@@ -91,11 +92,6 @@ def matmul_config(dtype: torch.dtype, n: int, k: int) -> MatmulConfig:
         return INTERPRETER_CONFIG
     name = _dtype_name(dtype)
     return GPU_CONFIG_OVERRIDES.get((name, n, k), GPU_CONFIGS[name])
-
-
-@functools.cache
-def _num_programs(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @triton.jit
@@ -289,7 +285,7 @@ def _make_plan(dtype: torch.dtype, n: int, k: int, device_index: int, config: Ma
     if cfg.tma:
         for block in ([cfg.block_m, cfg.block_k], [cfg.block_k, cfg.block_n], [cfg.block_m, cfg.block_n]):
             validate_block_shape(block)  # what TensorDescriptor checks, once instead of per call
-    programs = INTERPRETER_PROGRAMS if interp else _num_programs(device_index)
+    programs = INTERPRETER_PROGRAMS if interp else sm_count(device_index)
     precision = dot_precision(dtype)
     return _Plan(
         config=cfg,

@@ -28,8 +28,6 @@ tile row the token landed in. The weight and bias gradients are sums over tokens
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -46,6 +44,7 @@ from rl_engine.kernels.ops.triton.runtime import (
     host_descriptor,
     interpreting,
     register_autograd,
+    sm_count,
 )
 
 
@@ -335,12 +334,7 @@ def _tile_options(cfg, dtype) -> dict:
 
 def num_programs(device: torch.device) -> int:
     """Programs of the persistent logits kernels: one per SM (a fixed few under the interpreter)."""
-    return INTERPRETER_PROGRAMS if interpreting() else _sm_count(device.index or 0)
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return INTERPRETER_PROGRAMS if interpreting() else sm_count(device.index or 0)
 
 
 def tma_descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
