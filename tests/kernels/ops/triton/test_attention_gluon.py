@@ -99,6 +99,9 @@ GPU_CASES = [
     ("left_padded", "padded", [0, 300, 1000], 1100, 8, 8, True, 128),
     ("packed_splits", "packed", [2600, 900, 333, 1, 64, 191], None, 32, 8, True, 128),
     ("packed_full", "packed", [700, 129, 64], None, 8, 2, False, 128),
+    # three KV splits: a fold that reads and rewrites the running fold (in shared memory or the workspace)
+    ("packed_three_splits", "packed", [5000, 77], None, 8, 2, True, 128),
+    ("hd64_packed_three_splits", "packed", [5000, 77], None, 8, 2, True, 64),
     ("hd256_packed_splits", "packed", [2600, 900, 333, 1, 64, 191], None, 8, 2, True, 256),
     ("hd256_batch_full", "padded", None, 576, 8, 2, False, 256),
     ("hd64_packed_splits", "packed", [2600, 900, 333, 1, 64, 191], None, 32, 8, True, 64),

@@ -15,9 +15,10 @@ acc += p·v then acc *= alpha, the KV-split folds with the same fmas, the same a
 flash.py's bits and the decode, packed and chunked paths need not move.
 
 It takes flash.py's sequence tables (padded, left-padded, packed, chunked), reads keys past kv_len as zeros (a
-consumer copies a tail block into its own buffer), drains the ring for tiles without queries, writes the LSE,
-and folds KV splits as flash.py does (the running fold of a tile that spans splits lives in an fp32
-workspace: a second accumulator does not fit three warpgroups' registers).
+consumer copies a tail block into its Q buffer, free by then), drains the ring for tiles without queries, writes
+the LSE, and folds KV splits as flash.py does. The running fold of a tile that spans splits does not fit the
+consumers' registers beside their accumulators: it lives in shared memory where that fits (every consumer at
+head_dim 64, two of three at 128) and in an fp32 workspace otherwise.
 
 Measured on the H200 (torch 2.11, Triton 3.6; B·S = 16k, 32/8 heads, causal, ABBA medians,
 docs/evidence/h200_probe_gluon_all_60e5608.log): outputs and LSE equal to flash.py's on every table tried; head_dim
@@ -49,15 +50,18 @@ M_INIT = gl.constexpr(-1.0e30)
 RESCALE_ABOVE = gl.constexpr(flash.RESCALE_ABOVE.value)
 NO_WINDOW_C = gl.constexpr(NO_WINDOW)
 BLOCK_M = 64  # rows per consumer warpgroup; keys per block are flash.py's forward BLOCK_N for the head_dim
-# head_dim -> (consumer warpgroups, K/V ring depth, registers per consumer thread). A consumer holds block j-1 (its
-# p·v in flight) and block j (its q·kᵀ) while the producer fills the next; consumers x 128 x regs + 128 x 24 <=
-# 64 Ki registers, and the CTA's Q tiles, ring and tail buffers fit 227 KiB. Chosen on the H200
-# (h200_probe_gluon_all_60e5608.log): at head_dim 128 three consumers beat two (the 4-deep ring, 240 registers: 8-10%
-# slower) and FA3's ping-pong of two consumers' MMA issue gained nothing (deleted); ring depth 2 / 3 / 4 within 2%.
+# head_dim -> (consumer warpgroups, K/V ring depth, registers per consumer thread, consumers whose running fold
+# lives in shared memory). A consumer holds block j-1 (its p·v in flight) and block j (its q·kᵀ) while the producer
+# fills the next; consumers x 128 x regs + 128 x 24 <= 64 Ki registers, and the CTA's Q tiles, ring and fold buffers
+# fit 227 KiB. Chosen on the H200 (h200_probe_gluon_all_60e5608.log): at head_dim 128 three consumers beat two (the
+# 4-deep ring, 240 registers: 8-10% slower) and FA3's ping-pong of two consumers' MMA issue gained nothing
+# (deleted); ring depth 2 / 3 / 4 within 2% then, a 2-deep ring 1.22x the time at S = 4k-8k since
+# (h200_probe_fold_cost.log). The folds through the workspace cost 5-7% at S = 4k-8k (no-fold run, same log); two
+# of three in shared memory (all the buffers that fit) gained 2-4% (h200_probe_fold_smem.log).
 # Head_dim 64 (any of those forms) was 10-13% slower than flash.py's kernel while both rounded p one element at a
 # time; rounding two at a time, 5-6% faster at S >= 4k, 8% slower at 2k (h200_probe_flash_cvt_gluon_hd64_host.log),
 # and no other ring depth or consumer count faster (h200_probe_host_time.log).
-SHAPES = {64: (3, 3, 160), 128: (3, 3, 160), 256: (2, 4, 240)}
+SHAPES = {64: (3, 3, 160, 3), 128: (3, 3, 160, 2), 256: (2, 4, 240, 0)}
 # l_acc: a consumer's [64, 16] fp32 tile of p·1 (8 registers a thread), each column the row's l.
 L_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
 
@@ -103,24 +107,17 @@ def _softmax_block(qk, m, j, q_pos, k_base, kv_len, window, qk_scale, BLOCK_N: g
     return m_new, p_v, alpha
 
 
-def _rescale_asm(n: int) -> str:
+@triton.constexpr_function
+def _rescale_asm(n):
     """PTX for n accumulator elements of one thread ($0..: outputs, tied to the inputs $n..; $2n..: each element's
     alpha; $3n: the thread's flag): x·alpha, branched around when the flag is 0."""
     muls = "".join(f"mul.f32 ${i}, ${n + i}, ${2 * n + i};" for i in range(n))
     return f"{{ .reg .pred keep; setp.eq.f32 keep, ${3 * n}, 0f00000000; @keep bra DONE; {muls} DONE: }}"
 
 
-def _rescale_constraints(n: int) -> str:
+@triton.constexpr_function
+def _rescale_constraints(n):
     return ",".join(["=f"] * n + [str(i) for i in range(n)] + ["f"] * (2 * n))
-
-
-# A thread's accumulator elements at head_dim 64 / 128 / 256 (a 64-row tile on 128 threads).
-RESCALE_64 = gl.constexpr(_rescale_asm(32))
-RESCALE_128 = gl.constexpr(_rescale_asm(64))
-RESCALE_256 = gl.constexpr(_rescale_asm(128))
-RESCALE_C64 = gl.constexpr(_rescale_constraints(32))
-RESCALE_C128 = gl.constexpr(_rescale_constraints(64))
-RESCALE_C256 = gl.constexpr(_rescale_constraints(128))
 
 
 @gluon.jit
@@ -134,22 +131,15 @@ def _moved(alpha):
 
 
 @gluon.jit
-def _rescaled(acc, alpha, HEAD_DIM: gl.constexpr, o_layout: gl.constexpr):
+def _rescaled(acc, alpha, o_layout: gl.constexpr):
     """acc · alpha (a row vector), the 64 FMULs a thread (head_dim 128) skipped where its rows' alpha is 1: with
     flash.py's lazy max that is almost every block after a split's first (x·1 = x, the same bits)."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     a = gl.expand_dims(gl.convert_layout(alpha, row_o, assert_trivial=True), 1)
     moved = gl.expand_dims(gl.convert_layout(_moved(alpha), row_o, assert_trivial=True), 1)
-    if HEAD_DIM == 64:
-        out = gl.inline_asm_elementwise(RESCALE_64, RESCALE_C64, [acc, a, moved], dtype=gl.float32, is_pure=True,
-                                        pack=32)
-    elif HEAD_DIM == 128:
-        out = gl.inline_asm_elementwise(RESCALE_128, RESCALE_C128, [acc, a, moved], dtype=gl.float32, is_pure=True,
-                                        pack=64)
-    else:
-        out = gl.inline_asm_elementwise(RESCALE_256, RESCALE_C256, [acc, a, moved], dtype=gl.float32, is_pure=True,
-                                        pack=128)
-    return out
+    n: gl.constexpr = acc.shape[1] // 2  # a thread's elements of a 64-row tile on 128 threads
+    return gl.inline_asm_elementwise(_rescale_asm(n), _rescale_constraints(n), [acc, a, moved], dtype=gl.float32,
+                                     is_pure=True, pack=n)
 
 
 @gluon.jit
@@ -203,16 +193,22 @@ def _last_product(a_op, bufs, tail, acc, kv_empty, hi_b, glo, kv_len, BLOCK_N: g
 
 
 @gluon.jit
-def _fold(T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, has_t, m, l, acc,
-          row_s: gl.constexpr, o_layout: gl.constexpr):
+def _fold(T_M, T_L, t_ptr, t_smem, ml_smem, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, has_t, m, l, acc,
+          row_s: gl.constexpr, o_layout: gl.constexpr, T_SMEM: gl.constexpr):
     """The running fold ⊕ this split's state, as flash.py folds every split, the first into a fresh state
     (not quite the identity: fma(-0, 1, 0) is +0). A fresh state's products are formed per row
-    (0·a_t is the same for every column), so no second accumulator lives in registers for it."""
+    (0·a_t is the same for every column), so no second accumulator lives in registers for it. The running fold
+    lives in the consumer's shared buffers (T_SMEM) or in the fp32 workspace T_M / T_L / T_ACC."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     if has_t:
-        m_t = gl.load(T_M + rows_s * stride_lr + head, mask=rows_ok_s)
-        l_t = gl.load(T_L + rows_s * stride_lr + head, mask=rows_ok_s)
-        acc_t = gl.load(t_ptr, mask=gl.expand_dims(rows_ok_o, 1))
+        if T_SMEM:
+            m_t = ml_smem.slice(0, m.shape[0]).load(row_s)
+            l_t = ml_smem.slice(m.shape[0], m.shape[0]).load(row_s)
+            acc_t = t_smem.load(o_layout)
+        else:
+            m_t = gl.load(T_M + rows_s * stride_lr + head, mask=rows_ok_s)
+            l_t = gl.load(T_L + rows_s * stride_lr + head, mask=rows_ok_s)
+            acc_t = gl.load(t_ptr, mask=gl.expand_dims(rows_ok_o, 1))
         m, l, acc = _merge_split(m_t, l_t, acc_t, m, l, acc, row_o)
     else:
         m_new = gl.maximum(gl.full(m.shape, M_INIT, gl.float32, row_s), m)
@@ -227,15 +223,29 @@ def _fold(T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, has_t,
 
 
 @gluon.jit
-def _step(p_prev, m, l_acc, acc, has_t, j, q_smem, k_bufs, v_bufs, ones, kv_ready, kv_empty, T_M, T_L, t_ptr, rows_s,
-          rows_ok_s, rows_ok_o, head, stride_lr, q_pos, k_base, kv_len, window, qk_scale, s_zero, glo,
+def _keep_fold(T_M, T_L, t_ptr, t_smem, ml_smem, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, m, l, acc,
+               T_SMEM: gl.constexpr):
+    """The running fold stored where `_fold` reads it."""
+    if T_SMEM:
+        ml_smem.slice(0, m.shape[0]).store(m)  # [m | l]
+        ml_smem.slice(m.shape[0], m.shape[0]).store(l)
+        t_smem.store(acc)
+    else:
+        gl.store(T_M + rows_s * stride_lr + head, m, mask=rows_ok_s)
+        gl.store(T_L + rows_s * stride_lr + head, l, mask=rows_ok_s)
+        gl.store(t_ptr, acc, mask=gl.expand_dims(rows_ok_o, 1))
+
+
+@gluon.jit
+def _step(p_prev, m, l_acc, acc, has_t, j, q_smem, k_bufs, v_bufs, ones, kv_ready, kv_empty, T_M, T_L, t_ptr, t_smem,
+          ml_smem, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, q_pos, k_base, kv_len, window, qk_scale, s_zero, glo,
           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_SPLIT: gl.constexpr, MASKED: gl.constexpr,
-          CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+          CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, T_SMEM: gl.constexpr):
     """Key block j (not the tile's first): its q·kᵀ and block j-1's p·v and p·1 issued together, block j's
     softmax run while they are in flight (FA3's intra-warpgroup overlap), then acc and l rescaled. The operations
     on a row are flash.py's in flash.py's order: acc += p_{j-1}·v_{j-1}, then acc *= alpha_j (l alike: l_acc
     holds the row's l in each of its 16 columns). When block j-1 ended a split, block j's softmax starts from a
-    fresh state and the finished split is folded into T_M/T_L/T_ACC."""
+    fresh state and the finished split is folded into the running fold (`_fold`, `_keep_fold`)."""
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     t = j - glo
@@ -252,29 +262,28 @@ def _step(p_prev, m, l_acc, acc, has_t, j, q_smem, k_bufs, v_bufs, ones, kv_read
     acc, l_acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_acc, p_prev))
     mbarrier.arrive(kv_empty.index(prv), count=1)
     if fresh:  # block j-1 ended a split: fold it, this block starts the next
-        m_t, l_t, acc_t = _fold(T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, has_t, m,
-                                _l_rows(l_acc, row_s), acc, row_s, o_layout)
-        gl.store(T_M + rows_s * stride_lr + head, m_t, mask=rows_ok_s)
-        gl.store(T_L + rows_s * stride_lr + head, l_t, mask=rows_ok_s)
-        gl.store(t_ptr, acc_t, mask=gl.expand_dims(rows_ok_o, 1))
+        m_t, l_t, acc_t = _fold(T_M, T_L, t_ptr, t_smem, ml_smem, rows_s, rows_ok_s, rows_ok_o, head, stride_lr,
+                                has_t, m, _l_rows(l_acc, row_s), acc, row_s, o_layout, T_SMEM)
+        _keep_fold(T_M, T_L, t_ptr, t_smem, ml_smem, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, m_t, l_t, acc_t,
+                   T_SMEM)
         has_t = 1
         acc = gl.zeros_like(acc)
         l_acc = gl.zeros_like(l_acc)
-    acc = _rescaled(acc, alpha, acc.shape[1], o_layout)
+    acc = _rescaled(acc, alpha, o_layout)
     l_acc = l_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, L_LAYOUT), assert_trivial=True), 1)
     return m_new, l_acc, acc, gl.convert_layout(p_v, p_layout, assert_trivial=True), has_t
 
 
 @gluon.jit
-def _consumer(q_smem, q_bar, k_bufs, v_bufs, v_tail, ones, kv_ready, kv_empty, O, LSE, T_M, T_L, T_ACC,
+def _consumer(q_smem, q_bar, k_bufs, v_bufs, ones, t_smem, ml_smem, kv_ready, kv_empty, O, LSE, T_M, T_L, T_ACC,
               stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count, q_pos0,
               first_q, kv_len, window, lo_b, mid_b, hi_b, glo, ghi,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr):
+              CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr, T_SMEM: gl.constexpr):
     """One 64-row query tile on one warpgroup: key blocks [lo_b, mid_b) unmasked, [mid_b, hi_b) masked,
     each block's softmax overlapping the previous block's p·v (`_step`); the other blocks of the CTA's ring
-    drained. A split's state is folded into the tile's running fold (kept in T_M/T_L/T_ACC: a second fp32
-    accumulator does not fit the consumers' registers) when more blocks follow."""
+    drained. A split's state is folded into the tile's running fold (in t_smem / ml_smem when T_SMEM, else in
+    T_M / T_L / T_ACC) when more blocks follow."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -317,21 +326,23 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, v_tail, ones, kv_ready, kv_empty, O
         u = gl.maximum(mid_b, lo_b + 1)
         for j in range(lo_b + 1, u):  # unmasked blocks
             m, l_acc, acc, p_op, has_t = _step(p_op, m, l_acc, acc, has_t, j, q_smem, k_bufs, v_bufs, ones,
-                                               kv_ready, kv_empty,
-                                           T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, q_pos,
-                                           k_base, kv_len, window, qk_scale, s_zero, glo, BLOCK_N, STAGES,
-                                           KV_SPLIT, False, CAUSAL, s_layout, o_layout)
+                                               kv_ready, kv_empty, T_M, T_L, t_ptr, t_smem, ml_smem, rows_s,
+                                               rows_ok_s, rows_ok_o, head, stride_lr, q_pos, k_base, kv_len, window,
+                                               qk_scale, s_zero, glo, BLOCK_N, STAGES, KV_SPLIT, False, CAUSAL,
+                                               s_layout, o_layout, T_SMEM)
         for j in range(u, hi_b):  # masked blocks
             m, l_acc, acc, p_op, has_t = _step(p_op, m, l_acc, acc, has_t, j, q_smem, k_bufs, v_bufs, ones,
-                                               kv_ready, kv_empty,
-                                           T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, q_pos,
-                                           k_base, kv_len, window, qk_scale, s_zero, glo, BLOCK_N, STAGES,
-                                           KV_SPLIT, True, CAUSAL, s_layout, o_layout)
+                                               kv_ready, kv_empty, T_M, T_L, t_ptr, t_smem, ml_smem, rows_s,
+                                               rows_ok_s, rows_ok_o, head, stride_lr, q_pos, k_base, kv_len, window,
+                                               qk_scale, s_zero, glo, BLOCK_N, STAGES, KV_SPLIT, True, CAUSAL,
+                                               s_layout, o_layout, T_SMEM)
         l_acc = warpgroup_mma(p_op, ones, l_acc, is_async=True)  # the last block's p·1; done by _last_product's wait
-        acc = _last_product(p_op, v_bufs, v_tail, acc, kv_empty, hi_b, glo, kv_len, BLOCK_N, STAGES)  # its p·v
+        # its p·v; a tail block goes through the Q buffer, free after the tile's last q·kᵀ
+        acc = _last_product(p_op, v_bufs, q_smem.slice(0, BLOCK_N), acc, kv_empty, hi_b, glo, kv_len, BLOCK_N,
+                            STAGES)
         l_acc = warpgroup_mma_wait(num_outstanding=0, deps=(l_acc, ))
-        m, l, acc = _fold(T_M, T_L, t_ptr, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, has_t, m,
-                          _l_rows(l_acc, row_s), acc, row_s, o_layout)
+        m, l, acc = _fold(T_M, T_L, t_ptr, t_smem, ml_smem, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, has_t,
+                          m, _l_rows(l_acc, row_s), acc, row_s, o_layout, T_SMEM)
         l_safe = gl.where(l == 0.0, 1.0, l)
         out = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o, assert_trivial=True), 1)
         o_ptr = O + gl.expand_dims(rows_o * stride_or + head * stride_oh, 1) + gl.expand_dims(d, 0)
@@ -403,7 +414,7 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
                          stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, group,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
-                         CONSUMERS: gl.constexpr, REGS: gl.constexpr):
+                         CONSUMERS: gl.constexpr, REGS: gl.constexpr, T_TILES: gl.constexpr):
     # grid (cdiv(max q_count, CONSUMERS * 64), Hq, sequences): the last (heaviest) query tiles first, as in
     # flash.py. Under a causal mask CTAs are aligned to the sequence's end, so a CTA with fewer query tiles
     # than consumers is the first, the lightest (a row's bits do not depend on where its tile starts: chunked
@@ -428,7 +439,6 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
     q1 = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
     k_bufs = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
     v_bufs = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
-    v_tails = gl.allocate_shared_memory(desc_v.dtype, [CONSUMERS] + desc_v.block_type.shape, desc_v.layout)
     ones = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 16], gl.NVMMASharedLayout.get_default_for([BLOCK_N, 16],
                                      gl.bfloat16), gl.full([BLOCK_N, 16], 1.0, gl.bfloat16,
                                                            gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])))
@@ -445,16 +455,17 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
     tma.async_copy_global_to_shared(desc_q, [q_row0 + first_q, q_col], q_bars.index(0), q0)
     mbarrier.expect(q_bars.index(1), desc_q.block_type.nbytes)
     tma.async_copy_global_to_shared(desc_q, [q_row0 + first_q + BLOCK_M, q_col], q_bars.index(1), q1)
-    if CONSUMERS == 2:
+    if CONSUMERS == 2:  # no shared buffers for the running folds (T_TILES = 0): q0 stands in, never read
+        T0, ML0, T1, ML1 = q0, q0, q0, q0
         gl.warp_specialize([
-            (_consumer, (q0, q_bars.index(0), k_bufs, v_bufs, v_tails.index(0), ones, kv_ready, kv_empty, O, LSE, T_M,
+            (_consumer, (q0, q_bars.index(0), k_bufs, v_bufs, ones, T0, ML0, kv_ready, kv_empty, O, LSE, T_M,
                          T_L, T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0,
                          q_count, q_pos0, first_q, kv_len, window, lo0, mid0, hi0, glo, ghi, BLOCK_M, BLOCK_N, HEAD_DIM,
-                         STAGES, CAUSAL, KV_SPLIT)),
-            (_consumer, (q1, q_bars.index(1), k_bufs, v_bufs, v_tails.index(1), ones, kv_ready, kv_empty, O, LSE, T_M,
+                         STAGES, CAUSAL, KV_SPLIT, T_TILES > 0)),
+            (_consumer, (q1, q_bars.index(1), k_bufs, v_bufs, ones, T1, ML1, kv_ready, kv_empty, O, LSE, T_M,
                          T_L, T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0,
                          q_count, q_pos0, first_q + BLOCK_M, kv_len, window, lo1, mid1, hi1, glo, ghi, BLOCK_M, BLOCK_N,
-                         HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
+                         HEAD_DIM, STAGES, CAUSAL, KV_SPLIT, T_TILES > 1)),
             (_producer, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col, glo, ghi, BLOCK_N,
                          STAGES)),
         ], [4, 1], [REGS, 24])
@@ -462,19 +473,33 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
         q2 = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
         mbarrier.expect(q_bars.index(2), desc_q.block_type.nbytes)
         tma.async_copy_global_to_shared(desc_q, [q_row0 + first_q + 2 * BLOCK_M, q_col], q_bars.index(2), q2)
+        # the running folds of the last T_TILES consumers in shared memory, the first's (the lightest tile, done a
+        # block before the others) in the workspace when T_TILES = 2; rows swizzled by 32-byte groups, so a warp's
+        # stores and loads of its accumulator rows are conflict-free
+        t_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+        ml_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # [m | l]
+        if T_TILES == 3:
+            T0 = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], t_layout)
+            ML0 = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], ml_layout)
+        else:
+            T0, ML0 = q0, q0
+        T1 = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], t_layout)
+        ML1 = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], ml_layout)
+        T2 = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], t_layout)
+        ML2 = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], ml_layout)
         gl.warp_specialize([
-            (_consumer, (q0, q_bars.index(0), k_bufs, v_bufs, v_tails.index(0), ones, kv_ready, kv_empty, O, LSE, T_M,
+            (_consumer, (q0, q_bars.index(0), k_bufs, v_bufs, ones, T0, ML0, kv_ready, kv_empty, O, LSE, T_M,
                          T_L, T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0,
                          q_count, q_pos0, first_q, kv_len, window, lo0, mid0, hi0, glo, ghi, BLOCK_M, BLOCK_N, HEAD_DIM,
-                         STAGES, CAUSAL, KV_SPLIT)),
-            (_consumer, (q1, q_bars.index(1), k_bufs, v_bufs, v_tails.index(1), ones, kv_ready, kv_empty, O, LSE, T_M,
+                         STAGES, CAUSAL, KV_SPLIT, T_TILES > 2)),
+            (_consumer, (q1, q_bars.index(1), k_bufs, v_bufs, ones, T1, ML1, kv_ready, kv_empty, O, LSE, T_M,
                          T_L, T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0,
                          q_count, q_pos0, first_q + BLOCK_M, kv_len, window, lo1, mid1, hi1, glo, ghi, BLOCK_M, BLOCK_N,
-                         HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
-            (_consumer, (q2, q_bars.index(2), k_bufs, v_bufs, v_tails.index(2), ones, kv_ready, kv_empty, O, LSE, T_M,
+                         HEAD_DIM, STAGES, CAUSAL, KV_SPLIT, T_TILES > 1)),
+            (_consumer, (q2, q_bars.index(2), k_bufs, v_bufs, ones, T2, ML2, kv_ready, kv_empty, O, LSE, T_M,
                          T_L, T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0,
                          q_count, q_pos0, first_q + 2 * BLOCK_M, kv_len, window, lo2, mid2, hi2, glo, ghi, BLOCK_M,
-                         BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT)),
+                         BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT, T_TILES > 0)),
             (_producer, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col, glo, ghi, BLOCK_N,
                          STAGES)),
         ], [4, 4, 1], [REGS, REGS, 24])
@@ -552,20 +577,20 @@ def gluon_forward(q, k, v, table, *, causal: bool, scale: float | None = None):
     if table.num_sequences == 0 or rows == 0:
         return out, lse
     kv_split = attention_config(q.dtype, d).kv_split
-    if table.max_kv_len > kv_split:  # the running fold of tiles that span splits
+    consumers, stages, regs, t_tiles = SHAPES[d]
+    if table.max_kv_len > kv_split and t_tiles < consumers:  # the running folds kept out of shared memory
         t_m, t_l = torch.empty_like(lse), torch.empty_like(lse)
         t_acc = torch.empty((rows, hq, d), dtype=torch.float32, device=q.device)
     else:
         t_m = t_l = t_acc = lse  # never read: no tile folds
 
-    consumers, stages, regs = SHAPES[d]
     block_n = attention_config(q.dtype, d).forward.block_n  # flash.py's key blocks: its bits
     grid = (triton.cdiv(max(table.max_q_count, 1), consumers * BLOCK_M), hq, table.num_sequences)
     gluon_forward_kernel[grid](
         row_descriptor(q, BLOCK_M), row_descriptor(k, block_n), row_descriptor(v, block_n), out, lse, t_m, t_l, t_acc,
         table.info, out.stride(0), out.stride(1), lse.stride(0), t_acc.stride(0) if t_acc.dim() == 3 else 0,
         t_acc.stride(1) if t_acc.dim() == 3 else 0, default_scale(d, scale) * LOG2_E, hq // k.shape[1],
-        BLOCK_M, block_n, d, stages, causal, kv_split, consumers, regs, num_warps=4)
+        BLOCK_M, block_n, d, stages, causal, kv_split, consumers, regs, t_tiles, num_warps=4)
     return out, lse
 
 
@@ -580,7 +605,7 @@ def compile_for_sm90(causal: bool, head_dim: int = 128):
 
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
-    consumers, stages, regs = SHAPES[head_dim]
+    consumers, stages, regs, t_tiles = SHAPES[head_dim]
     block_n = attention_config(torch.bfloat16, head_dim).forward.block_n
 
     kernel = gluon_forward_kernel
@@ -589,7 +614,7 @@ def compile_for_sm90(causal: bool, head_dim: int = 128):
     args = (desc(BLOCK_M, 32), desc(block_n, 8), desc(block_n, 8), MockTensor("bfloat16", [8192, 32, head_dim]),
             f32, f32, f32, MockTensor("float32", [8192, 32, head_dim]), MockTensor("int32", [4, 6]),
             32 * head_dim, head_dim, 32, 32 * head_dim, head_dim, 0.1, 4,
-            BLOCK_M, block_n, head_dim, stages, causal, 2048, consumers, regs)
+            BLOCK_M, block_n, head_dim, stages, causal, 2048, consumers, regs, t_tiles)
     bound, specialization, options = create_function_from_signature(kernel.signature, kernel.params, backend)(
         *args, num_warps=4)
     options, signature, constexprs, attrs = kernel._pack_args(backend, {"num_warps": 4}, bound, specialization,
