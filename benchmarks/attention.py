@@ -122,12 +122,6 @@ class Timer:
 
         return float(do_bench_cudagraph(fn, rep=20, return_mode="median"))
 
-    def speed_ratio(self, fn, reference) -> tuple[float, str]:
-        """(reference's time / fn's, how timed): ABBA pairs on CUDA; on the CPU one wall-clock call each."""
-        if self.cuda:
-            return 1.0 / paired_ratio(fn, reference, pairs=2)[1], "ABBA pairs"
-        return self.ms(reference) / self.ms(fn), "single calls"
-
 
 # --------------------------------------------------------------------------------------------------
 # implementations: every one takes and returns [B,S,H,D]
@@ -277,16 +271,19 @@ def prefill_goal(mode: str, s: int, ratio: float | None) -> tuple[str | None, st
     return goal, "met" if ratio >= target else "missed"
 
 
-def judge_prefill(row: dict, peer_names, speed_ratio) -> None:
-    """ratio_vs_<peer>, the fastest peer (with its backend), ours / it from speed_ratio(peer name) -> (ratio, how
-    timed), and the goal's status."""
+def judge_prefill(row: dict, peer_names, paired=None) -> None:
+    """ratio_vs_<peer>, the fastest peer (with its backend), ours / it (from paired(peer name), our speed over its
+    in ABBA pairs, when given; else from the single timings), and the goal's status."""
     add_ratios(row, peer_names)
     times = {p: row[f"{p}_ms"] for p in peer_names if row.get(f"{p}_ms")}
     if times and row.get("triton_ms"):
         fastest = min(times, key=times.get)
         backend = row.get(f"{fastest}_backend")
         row["fastest_peer"] = f"{fastest} ({backend})" if backend else fastest
-        row["ratio_vs_fastest"], row["ratio_vs_fastest_timing"] = speed_ratio(fastest)
+        if paired:
+            row["ratio_vs_fastest"], row["ratio_vs_fastest_timing"] = paired(fastest), "ABBA pairs"
+        else:
+            row["ratio_vs_fastest"], row["ratio_vs_fastest_timing"] = times[fastest] / row["triton_ms"], "single calls"
     row["goal"], row["goal_status"] = prefill_goal(row["mode"], row["S"], row.get("ratio_vs_fastest"))
 
 
@@ -316,12 +313,14 @@ def prefill_rows(shapes: Shapes, configs, ours, peers: dict, timer: Timer, gemm_
                     diff = measure(f"prefill S={s} D={d} max |triton - {name}|", max_abs_diff, ours, fn, (q, k, v))
                     row[f"max_abs_diff_vs_{name}"] = diff.get("max_abs_diff")
             args = (q, k, v)
-            judge_prefill(row, list(peers), lambda peer, mode=mode, args=args: timer.speed_ratio(
-                make_step(mode, ours, args), make_step(mode, peers[peer], args)))
+            # CUDA: ours against the fastest peer again in ABBA pairs; the CPU's wall-clock calls would add nothing
+            paired = (lambda peer, mode=mode, args=args: 1.0 / paired_ratio(
+                make_step(mode, ours, args), make_step(mode, peers[peer], args), pairs=2)[1]) if timer.cuda else None
+            judge_prefill(row, list(peers), paired)
             print(f"    -> fastest {row.get('fastest_peer')}, ours/fastest {row.get('ratio_vs_fastest')}, "
                   f"goal {row['goal_status']}", flush=True)
             rows.append(row)
-        del q, k, v, args
+        del q, k, v, args, paired
     return rows
 
 

@@ -164,12 +164,16 @@ def test_the_fastest_peer_is_timed_again_in_pairs_for_the_goal(bench):
     row = {"S": 4096, "mode": "forward", "triton_ms": 2.0, "sdpa_ms": 1.0, "sdpa_backend": "cudnn",
            "sdpa_flash_ms": 1.5, "fa4_error": "unavailable: x"}
     asked = []
-    bench.judge_prefill(row, bench.PEERS, lambda peer: asked.append(peer) or (0.9, "ABBA pairs"))
+    bench.judge_prefill(row, bench.PEERS, lambda peer: asked.append(peer) or 0.9)
     assert asked == ["sdpa"] and row["fastest_peer"] == "sdpa (cudnn)"
     # the goal is judged on the pairs' ratio (0.9: met), not on the single timings' (0.5: missed)
     assert row["ratio_vs_fastest"] == 0.9 and row["ratio_vs_fastest_timing"] == "ABBA pairs"
     assert row["goal_status"] == "met"
     assert row["ratio_vs_sdpa"] == 0.5 and row["ratio_vs_sdpa_flash"] == 0.75 and "ratio_vs_fa4" not in row
+    single = dict(row)
+    bench.judge_prefill(single, bench.PEERS)  # without pairs: the single timings' ratio
+    assert single["ratio_vs_fastest"] == 0.5 and single["ratio_vs_fastest_timing"] == "single calls"
+    assert single["goal_status"] == "missed"
 
 
 def test_a_peer_computing_another_function_shows_in_the_diff(bench):
