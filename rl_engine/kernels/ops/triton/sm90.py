@@ -289,8 +289,11 @@ def sass(cubin: bytes) -> str:
 
 
 def ptxas_registers(ptx: str) -> dict:
-    """{"registers": per thread, "spill_bytes": spill stores} from `ptxas -v` on the kernel's PTX: a
-    kernel that spills pays local-memory traffic in its inner loop, so tiles can be screened here."""
+    """{"registers": per thread, "spill_bytes": spill stores, "serialised_wgmma": ptxas's reason or None} from
+    `ptxas -v` on the kernel's PTX: a kernel that spills pays local-memory traffic in its inner loop, and one whose
+    wgmma ptxas serialises (C7514/C7515: an accumulator touched by other instructions while its MMA is in flight)
+    waits for every MMA, so tiles can be screened here (a Gluon decode lost 1.37x to it:
+    docs/evidence/h200_probe_decode_gluon.log)."""
     import re
     import subprocess
     import tempfile
@@ -304,8 +307,10 @@ def ptxas_registers(ptx: str) -> dict:
                              capture_output=True, text=True, check=True).stderr
     registers = re.search(r"Used (\d+) registers", out)
     spills = re.search(r"(\d+) bytes spill stores", out)
+    serialised = re.search(r"wgmma\.mma_async instructions are serialized due to ([^']*?) in the function", out)
     return {"registers": int(registers.group(1)) if registers else None,
-            "spill_bytes": int(spills.group(1)) if spills else 0}
+            "spill_bytes": int(spills.group(1)) if spills else 0,
+            "serialised_wgmma": " ".join(serialised.group(1).split()) if serialised else None}
 
 
 def main(argv=None) -> int:
