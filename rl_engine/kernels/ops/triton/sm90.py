@@ -8,7 +8,7 @@ ptxas's machine code, with no GPU present, so CI can see a kernel that will not 
 tiles overflow the H200's shared memory, before a device session does. It must run with the
 interpreter off (the interpreter replaces kernels by Python functions); tests start it in a
 subprocess. Prints one JSON object: {"<kind>/<dtype>/<head_dim>" (attention) or "grouped_<kind>/<dtype>":
-{"shared": bytes, "cubin": bytes, "wgmma": count[, "registers", "spill_bytes" with --registers]} or
+{"shared": bytes, "cubin": bytes, "wgmma": count[, "registers", "spill_bytes", "serialised_wgmma" with --registers]} or
 {"error": "..."}}.
 """
 

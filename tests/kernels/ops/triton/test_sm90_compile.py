@@ -181,15 +181,21 @@ def test_it_refuses_to_run_under_the_interpreter():
     assert proc.returncode == 2 and "TRITON_INTERPRET=0" in proc.stderr
 
 
-def test_serialised_wgmma_is_read_from_ptxas():
+@pytest.fixture(scope="module")
+def ptxas_report():
+    """One run with `ptxas -v` on every kernel (each run also compiles all the GEMMs: one run serves both tests)."""
+    return run_sm90("--registers", "--cases", "bf16/64")
+
+
+def test_serialised_wgmma_is_read_from_ptxas(ptxas_report):
     # ptxas serialises every wgmma of flash.py's whole-tile forward at head_dim 64 (C7515: an accumulator defined by
     # other instructions while its MMA is in flight; the Gluon forward runs that prefill on the H200), not of its split
     # programs (decode): the check sees one and not the other.
-    report = run_sm90("--registers", "--cases", "bf16/64")
-    assert "accumulator registers" in (report["forward/bf16/64"]["serialised_wgmma"] or ""), report["forward/bf16/64"]
-    assert report["forward_partial/bf16/64"]["serialised_wgmma"] is None, report["forward_partial/bf16/64"]
+    whole, split = ptxas_report["forward/bf16/64"], ptxas_report["forward_partial/bf16/64"]
+    assert "accumulator registers" in (whole["serialised_wgmma"] or ""), whole
+    assert split["serialised_wgmma"] is None, split
 
 
-def test_registers_and_spills_are_read_from_ptxas():
-    result = run_sm90("--registers", "--cases", "bf16/8")["forward/bf16/8"]
+def test_registers_and_spills_are_read_from_ptxas(ptxas_report):
+    result = ptxas_report["forward/bf16/64"]
     assert 0 < result["registers"] <= 255 and result["spill_bytes"] >= 0, result
