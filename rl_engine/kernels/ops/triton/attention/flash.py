@@ -504,6 +504,11 @@ def flash_forward(q, k, v, table: SequenceTable, *, causal: bool, scale: float, 
     q_per_tile = cfg.block_m // heads_per_tile
     if table.num_sequences == 0 or rows == 0:
         return out, lse
+    if q.is_cuda and not interpreting():
+        from rl_engine.kernels.ops.triton.attention import gluon_decode  # imports this module
+
+        if gluon_decode.covers(q, k, table.max_q_count):  # a KV head's query group in one program: the same bits
+            return gluon_decode.gluon_decode(*_aligned(q, k, v), table, causal=causal, scale=scale)
     kv_split = config.kv_split
     num_splits = triton.cdiv(max(table.max_kv_len, 1), kv_split)
     # One query tile per sequence (decode, short chunks) and several splits: one program per split, then

@@ -1,0 +1,313 @@
+"""Decode attention in Gluon (Hopper, Triton 3.6): a KV head's whole query group in one program with the products
+transposed; flash.py's bits.
+
+A decode step has group · Sq query rows per KV head (4 at Qwen3-8B's batch 1) and walks each 2048-key split as one
+chain of 64-key blocks (the split order is every path's contract). flash.py pads the rows to a 64-row tile. Here the
+keys are the tensor cores' M side (M is 64 at least, N goes down to 8) and the queries QN = 16 columns:
+
+    sᵀ = k·qᵀ [64, QN],   accᵀ = vᵀ·p̃ᵀ + accᵀ [D, QN],   lᵀ = 1·p̃ᵀ + lᵀ [64, QN]
+
+One warpgroup walks a split: block j's k·qᵀ and block j-1's products are issued together, block j's softmax runs while
+the products are in flight (p̃ goes to shared memory, the B operand), then acc and l are rescaled by block j's alpha.
+Nothing is in flight across the loop's back edge: with products in flight there, ptxas serialised every wgmma (C7514)
+and the step was 1.37x slower than flash.py's (docs/evidence/h200_probe_decode_gluon.log). K/V blocks stream in by TMA,
+STAGES deep. A program may take a part of the head dim (D_PARTS: accᵀ's rows are independent), so a batch-1 step has
+16-64 programs instead of 8-32.
+
+Every element is flash.py's: the same key blocks from the sequence's first key, the same KV splits folded by flash.py's
+combine kernel (or, in one split, into a fresh state as flash.py's program does), the scale in an explicit fma, exp2,
+p̃ rounded to bf16 before both products, l a product p̃·1, acc + p̃·v then acc·alpha (flash.py's order, as in
+gluon_forward.py), masks by `where` (applied to every block: a fully visible block's scores pass unchanged), V rows past
+kv_len zeroed. The H200 gives flash.py's bits (a wgmma's sum for one element does not depend on which operand is which,
+nor on N or M): 0 tokens differ in the probe above and in the gpu tests (test_attention_consistency).
+
+H200 (torch 2.11, Triton 3.6; CUDA graphs, 32/8 heads x 128): batch 1 x 1k / 8k 13.1-13.7 / 25.5-26.2 us against
+flash.py's 16.1 / 27.5 (SDPA 6.5 / 11.1), batch 64 x 8k 486-498 vs 535 us (SDPA 482-484).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from rl_engine.kernels.ops.triton.attention import flash, gluon_forward
+from rl_engine.kernels.ops.triton.attention.flash import COMBINE_BLOCK_R, LOG2_E, attention_config
+from rl_engine.kernels.ops.triton.attention.gluon_forward import (
+    M_INIT,
+    RESCALE_ABOVE,
+    _sequence,
+    _tile_blocks,
+    _to_bf16,
+)
+
+QN = 16  # query columns of a program: group · queries <= 16 (decode, and a few queries per step at group <= 4)
+L_ROWS = 64  # lᵀ's rows: the ones operand at the tensor cores' smallest M
+HEAD_DIMS = (64, 128)
+STAGES = 6  # K/V blocks in flight: 192 KiB at head_dim 128
+PARTS = None  # override of head_dim_parts (probes)
+
+
+@gluon.jit
+def _load(desc_k, desc_v, k_bufs, v_bufs, ready, t, b0, k_row0, k_col, v_col, BLOCK_N: gl.constexpr,
+          STAGES: gl.constexpr):
+    """Block b0 + t of the walk into ring slot t % STAGES."""
+    slot = t % STAGES
+    bar = ready.index(slot)
+    mbarrier.expect(bar, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
+    row = k_row0 + (b0 + t) * BLOCK_N
+    tma.async_copy_global_to_shared(desc_k, [row, k_col], bar, k_bufs.index(slot))
+    tma.async_copy_global_to_shared(desc_v, [row, v_col], bar, v_bufs.index(slot))
+
+
+@gluon.jit
+def _softmax(s, m, t, p_bufs, v_bufs, k_base, v_rows, b0, q_pos, kv_len, window, qk_scale, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr, CAUSAL: gl.constexpr, v_layout: gl.constexpr):
+    """Block b0 + t's softmax (flash.py's `_online_softmax_block` on the transposed tile): p̃ into p_bufs[t % 2] (last
+    read by block t-2's products, done), the block's V rows past kv_len zeroed; returns (m_new, alpha)."""
+    start = (b0 + t) * BLOCK_N
+    k_pos = start + k_base
+    visible = gl.expand_dims(k_pos < kv_len, 1) & (gl.expand_dims(k_pos, 1) > gl.expand_dims(q_pos - window, 0))
+    if CAUSAL:
+        visible = visible & (gl.expand_dims(k_pos, 1) <= gl.expand_dims(q_pos, 0))
+    s = gl.where(visible, s, float("-inf"))
+    m_max = gl.maximum(m, gl.max(s, 0) * qk_scale)
+    m_new = gl.where(m_max - m > RESCALE_ABOVE, m_max, m)  # flash.py's `_lazy_max`
+    alpha = gl.exp2(m - m_new)
+    p_bufs.index(t % 2).store(_to_bf16(gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(m_new, 0)))))
+    if start + BLOCK_N > kv_len:  # rows past kv_len (a neighbour's, or anything) read as zeros, as in flash.py
+        v_slot = v_bufs.index(t % STAGES)
+        v_blk = v_slot.load(v_layout)
+        v_slot.store(gl.where(gl.expand_dims(start + v_rows < kv_len, 1), v_blk, 0.0))
+    fence_async_shared()
+    return m_new, alpha
+
+
+@gluon.jit
+def _walk(desc_k, desc_v, q_smem, k_bufs, v_bufs, p_bufs, ready, m, l_t, acc, b0, n, k_row0, k_col, v_col, q_pos,
+          kv_len, window, qk_scale, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+          mma: gl.constexpr):
+    """Blocks b0 … b0 + n - 1 (n >= 1) from the state (m, l_t, acc). Block j's k·qᵀ and block j-1's products are
+    issued together, block j's softmax runs while the products are in flight, then acc and l are rescaled by
+    block j's alpha: acc += p̃_{j-1}·v_{j-1}, then acc *= alpha_j, flash.py's operations in its order. Nothing is in
+    flight across the loop's back edge (ptxas serialises every wgmma of a loop whose accumulators cross it)."""
+    ones = gl.full([l_t.shape[0], BLOCK_N], 1.0, gl.bfloat16, gl.DotOperandLayout(operand_index=0, parent=mma,
+                                                                                  k_width=2))
+    s_zero = gl.zeros([BLOCK_N, acc.shape[1]], gl.float32, mma)
+    k_base = gl.arange(0, BLOCK_N, gl.SliceLayout(1, mma))
+    v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    v_rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, v_layout))
+    q_t = q_smem.permute((1, 0))
+    for t in range(0, gl.minimum(n, STAGES)):
+        _load(desc_k, desc_v, k_bufs, v_bufs, ready, t, b0, k_row0, k_col, v_col, BLOCK_N, STAGES)
+    mbarrier.wait(ready.index(0), 0)
+    s = warpgroup_mma(k_bufs.index(0), q_t, s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    m, alpha = _softmax(s, m, 0, p_bufs, v_bufs, k_base, v_rows, b0, q_pos, kv_len, window, qk_scale, BLOCK_N,
+                        STAGES, CAUSAL, v_layout)
+    acc = acc * gl.expand_dims(alpha, 0)
+    l_t = l_t * gl.expand_dims(alpha, 0)
+    for t in range(1, n):
+        prv = (t - 1) % STAGES
+        mbarrier.wait(ready.index(t % STAGES), (t // STAGES) & 1)
+        s = warpgroup_mma(k_bufs.index(t % STAGES), q_t, s_zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma(v_bufs.index(prv).permute((1, 0)), p_bufs.index((t - 1) % 2), acc, is_async=True)
+        l_t = warpgroup_mma(ones, p_bufs.index((t - 1) % 2), l_t, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=2, deps=(s, ))
+        m, alpha = _softmax(s, m, t, p_bufs, v_bufs, k_base, v_rows, b0, q_pos, kv_len, window, qk_scale, BLOCK_N,
+                            STAGES, CAUSAL, v_layout)
+        acc, l_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_t))
+        if t + STAGES - 1 < n:  # block t-1's slot is free: its k·qᵀ and products are done
+            _load(desc_k, desc_v, k_bufs, v_bufs, ready, t + STAGES - 1, b0, k_row0, k_col, v_col, BLOCK_N, STAGES)
+        acc = acc * gl.expand_dims(alpha, 0)
+        l_t = l_t * gl.expand_dims(alpha, 0)
+    last = (n - 1) % 2
+    acc = warpgroup_mma(v_bufs.index((n - 1) % STAGES).permute((1, 0)), p_bufs.index(last), acc, is_async=True)
+    l_t = warpgroup_mma(ones, p_bufs.index(last), l_t, is_async=True)
+    acc, l_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_t))
+    return m, l_t, acc
+
+
+@gluon.jit
+def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
+                        stride_qr, stride_qh, stride_or, stride_oh, stride_lr,
+                        stride_ps, stride_pr, stride_ph, stride_as, stride_ar, stride_ah,
+                        qk_scale, group, q_per_head,
+                        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, D_PARTS: gl.constexpr, QN: gl.constexpr,
+                        L_M: gl.constexpr, STAGES: gl.constexpr, KV_SPLIT: gl.constexpr, PARTIAL: gl.constexpr,
+                        CAUSAL: gl.constexpr):
+    # Program (split, KV head · D_PARTS + part, sequence). Column c holds query c % q_per_head of the group's head
+    # c // q_per_head. PARTIAL: the split's state for flash.py's combine kernel; otherwise the keys fit one split
+    # and the program writes the output.
+    DV: gl.constexpr = HEAD_DIM // D_PARTS
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, QN, 16])
+    row_l: gl.constexpr = gl.SliceLayout(1, mma)
+    col_l: gl.constexpr = gl.SliceLayout(0, mma)
+    split = gl.program_id(0)
+    kv_head = gl.program_id(1) // D_PARTS
+    part = gl.program_id(1) % D_PARTS
+    q_row0, q_count, q_pos0, k_row0, kv_len, window = _sequence(SEQ_INFO)
+
+    # the group's queries [QN, HEAD_DIM] into shared memory (q·kᵀ's B operand, transposed)
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    c_q = gl.arange(0, QN, gl.SliceLayout(1, q_layout))
+    ok_q = (c_q < group * q_per_head) & (c_q % q_per_head < q_count)
+    q_off = (q_row0 + c_q % q_per_head).to(gl.int64) * stride_qr + (kv_head * group + c_q // q_per_head) * stride_qh
+    q = gl.load(Q + gl.expand_dims(q_off, 1) + gl.expand_dims(gl.arange(0, HEAD_DIM, gl.SliceLayout(0, q_layout)), 0),
+                mask=gl.expand_dims(ok_q, 1), other=0.0)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [QN, HEAD_DIM],
+                                       gl.NVMMASharedLayout.get_default_for([QN, HEAD_DIM], gl.bfloat16), q)
+    k_bufs = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
+    v_bufs = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
+    p_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, QN],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, QN], gl.bfloat16))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    fence_async_shared()  # q for the wgmma, the barriers for the copy engine
+
+    cols = gl.arange(0, QN, col_l)
+    q_idx = cols % q_per_head
+    head = kv_head * group + cols // q_per_head
+    col_ok = (cols < group * q_per_head) & (q_idx < q_count)
+    q_pos = q_pos0 + q_idx
+    lo_b, mid_b, hi_b = _tile_blocks(q_pos0, 0, q_count, kv_len, window, CAUSAL, QN, BLOCK_N)
+    b0 = lo_b
+    b1 = hi_b
+    if PARTIAL:  # this split's blocks only
+        b0 = gl.maximum(lo_b, split * (KV_SPLIT // BLOCK_N))
+        b1 = gl.minimum(hi_b, (split + 1) * (KV_SPLIT // BLOCK_N))
+    n = gl.maximum(b1 - b0, 0)
+
+    m = gl.full([QN], M_INIT, gl.float32, col_l)
+    l_t = gl.zeros([L_M, QN], gl.float32, mma)
+    acc = gl.zeros([DV, QN], gl.float32, mma)
+    if n > 0:
+        m, l_t, acc = _walk(desc_k, desc_v, q_smem, k_bufs, v_bufs, p_bufs, ready, m, l_t, acc, b0, n, k_row0,
+                            kv_head * HEAD_DIM, kv_head * HEAD_DIM + part * DV, q_pos, kv_len, window, qk_scale,
+                            BLOCK_N, STAGES, CAUSAL, mma)
+    l = gl.max(l_t, 0)  # lᵀ's rows are equal (flash._l_rows)
+    dv = part * DV + gl.arange(0, DV, row_l)
+    r64 = (q_row0 + q_idx).to(gl.int64)
+    first = col_ok & (cols * 0 + part == 0)  # m, l, lse: every part holds the same; the first writes them
+    if PARTIAL:  # fresh (M_INIT, 0, 0) when the split holds none of the sequence's keys: folding it is a no-op
+        p_off = split * stride_ps + r64 * stride_pr + head * stride_ph
+        gl.store(PM + p_off, m, mask=first)
+        gl.store(PL + p_off, l, mask=first)
+        a_off = split * stride_as + r64 * stride_ar + head * stride_ah
+        gl.store(PACC + gl.expand_dims(a_off, 0) + gl.expand_dims(dv, 1), acc, mask=gl.expand_dims(col_ok, 0))
+    else:  # one split, folded into a fresh state as flash.py's program folds it (`_merge_split`), then normalised
+        m_new = gl.maximum(gl.full([QN], M_INIT, gl.float32, col_l), m)
+        a_t = gl.exp2(M_INIT - m_new)
+        a = gl.exp2(m - m_new)
+        zero_t = gl.full([QN], 0.0, gl.float32, col_l) * a_t
+        l = gl.fma(l, a, zero_t)
+        acc = gl.fma(acc, gl.expand_dims(a, 0), gl.expand_dims(zero_t, 0))
+        l_safe = gl.where(l == 0.0, 1.0, l)
+        out = acc / gl.expand_dims(l_safe, 0)
+        o_off = r64 * stride_or + head * stride_oh
+        gl.store(O + gl.expand_dims(o_off, 0) + gl.expand_dims(dv, 1), out.to(gl.bfloat16),
+                 mask=gl.expand_dims(col_ok, 0))
+        gl.store(LSE + r64 * stride_lr + head, m_new + gl.log2(l_safe), mask=first)
+
+
+def covers(q: torch.Tensor, k: torch.Tensor, max_q_count: int) -> bool:
+    """Whether this kernel takes a forward: bf16 rows at head_dim 64 / 128 on sm_90 under Triton 3.6, whose
+    group · queries fit QN columns."""
+    if not (q.is_cuda and 0 < (q.shape[1] // k.shape[1]) * max_q_count <= QN):
+        return False
+    return gluon_forward.covers(q, k, k, HEAD_DIMS)
+
+
+def head_dim_parts(head_dim: int, programs: int) -> int:
+    """Programs a KV head's head dim is split over: 2 at head_dim 128 when the step has fewer programs than half the
+    H200's 132 SMs (batch 1: 8-32 programs). Parallelism only: every choice gives the same bits."""
+    if PARTS is not None:
+        return PARTS
+    return 2 if head_dim >= 128 and programs < 66 else 1
+
+
+@functools.cache
+def _v_layout(rows: int, cols: int):
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
+
+
+def _columns_descriptor(x: torch.Tensor, block_rows: int, block_cols: int):
+    """A TMA descriptor of bf16 rows [R, H, D] seen as [R, H·D], in boxes [block_rows, block_cols]."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    two_d = x.view(x.shape[0], x.shape[1] * x.shape[2])
+    return TensorDescriptor(two_d, list(two_d.shape), list(two_d.stride()), [block_rows, block_cols],
+                            _v_layout(block_rows, block_cols))
+
+
+def gluon_decode(q, k, v, table, *, causal: bool, scale: float):
+    """flash.flash_forward's contract for the rows `covers` takes: (out [R,Hq,D], lse [R,Hq] fp32 log2)."""
+    rows, hq, d = q.shape
+    hkv = k.shape[1]
+    config = attention_config(q.dtype, d)
+    out = torch.empty_like(q)
+    lse = torch.empty((rows, hq), dtype=torch.float32, device=q.device)
+    num_splits = triton.cdiv(max(table.max_kv_len, 1), config.kv_split)
+    partial = num_splits > 1
+    if partial:
+        pm = torch.empty((num_splits, rows, hq), dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+        pacc = torch.empty((num_splits, rows, hq, d), dtype=torch.float32, device=q.device)
+        p_strides, a_strides = (pm.stride(0), pm.stride(1), pm.stride(2)), pacc.stride()[:3]
+    else:
+        pm = pl = pacc = lse  # unused
+        p_strides = a_strides = (0, 0, 0)
+    block_n = config.forward.block_n
+    parts = head_dim_parts(d, num_splits * hkv * table.num_sequences)
+    gluon_decode_kernel[(num_splits, hkv * parts, table.num_sequences)](
+        gluon_forward.row_descriptor(k, block_n), _columns_descriptor(v, block_n, d // parts), q, out, lse, pm, pl,
+        pacc, table.info, q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), *p_strides,
+        *a_strides, scale * LOG2_E, hq // hkv, table.max_q_count,
+        block_n, d, parts, QN, L_ROWS, STAGES, config.kv_split, partial, causal, num_warps=4)
+    if partial:
+        flash._split_combine_kernel[(triton.cdiv(rows * hq, COMBINE_BLOCK_R),)](
+            pm, pl, pacc, out, lse, num_splits, rows, hq, d, *p_strides, *a_strides, out.stride(0), out.stride(1),
+            lse.stride(0), BLOCK_R=COMBINE_BLOCK_R, BLOCK_D=d)
+    return out, lse
+
+
+def compile_for_sm90(head_dim: int = 128, partial: bool = False, parts: int = 1):
+    """The kernel compiled for sm_90a with no GPU present (Gluon has no interpreter), bound to stand-in tensors of a
+    32/8-head problem, as gluon_forward.compile_for_sm90 does."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import MockTensor, create_function_from_signature
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    block_n = attention_config(torch.bfloat16, head_dim).forward.block_n
+    kernel = gluon_decode_kernel
+    f32 = MockTensor("float32", [8192, 32])
+    v_desc = TensorDescriptor(MockTensor("bfloat16", [8192, 8 * head_dim]), [8192, 8 * head_dim],
+                              [8 * head_dim, 1], [block_n, head_dim // parts], _v_layout(block_n, head_dim // parts))
+    args = (gluon_forward.mock_row_descriptor(block_n, 8, head_dim), v_desc,
+            MockTensor("bfloat16", [8192, 32, head_dim]), MockTensor("bfloat16", [8192, 32, head_dim]), f32, f32, f32,
+            MockTensor("float32", [4, 8192, 32, head_dim]), MockTensor("int32", [4, 6]),
+            32 * head_dim, head_dim, 32 * head_dim, head_dim, 32, 8192 * 32, 32, 1, 8192 * 32 * head_dim,
+            32 * head_dim, head_dim, 0.1, 4, 1,
+            block_n, head_dim, parts, QN, L_ROWS, STAGES, 2048, partial, True)
+    bound, specialization, options = create_function_from_signature(kernel.signature, kernel.params, backend)(
+        *args, num_warps=4)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, {"num_warps": 4}, bound, specialization,
+                                                              options)
+    return triton_compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target,
+                          options=options.__dict__)

@@ -1,0 +1,90 @@
+"""The Gluon decode (attention/gluon_decode.py): what it routes, its sm_90a compile on the CPU without ptxas serialising
+its wgmma (C7514/C7515, which made its first form 1.37x slower than flash.py's), and on the H200 flash.py's bits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+
+pytestmark = pytest.mark.skipif(not triton.__version__.startswith("3.6."),
+                                reason=f"Gluon kernel written for Triton 3.6, this is {triton.__version__}")
+
+COMPILE = """
+import json, sys
+from rl_engine.kernels.ops.triton.attention.gluon_decode import compile_for_sm90
+from rl_engine.kernels.ops.triton.sm90 import ptxas_registers
+k = compile_for_sm90(int(sys.argv[1]), sys.argv[2] == "partial", int(sys.argv[3]))
+ptx = k.asm["ptx"]
+print(json.dumps({"shared": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"), **ptxas_registers(ptx)}))
+"""
+
+
+@pytest.mark.parametrize("head_dim, mode, parts", [(128, "final", 2), (128, "partial", 1), (128, "partial", 2),
+                                                   (64, "final", 1), (64, "partial", 1)])
+def test_compiles_for_the_h200_without_serialised_wgmma(head_dim, mode, parts):
+    from rl_engine.kernels.ops.triton.sm90 import H200_SHARED_BYTES
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-c", COMPILE, str(head_dim), mode, str(parts)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["wgmma"] > 0 and 0 < result["shared"] <= H200_SHARED_BYTES, result
+    assert result["serialised_wgmma"] is None, f"ptxas serialises the wgmma: {result['serialised_wgmma']}"
+    assert result["spill_bytes"] == 0, result
+
+
+def test_routes_bf16_groups_of_up_to_16_query_columns():
+    from rl_engine.kernels.ops.triton.attention import gluon_decode
+
+    assert gluon_decode.head_dim_parts(128, 32) == 2 and gluon_decode.head_dim_parts(128, 66) == 1
+    assert gluon_decode.head_dim_parts(64, 8) == 1
+    q, k = torch.zeros(4, 32, 128, dtype=torch.bfloat16), torch.zeros(4, 8, 128, dtype=torch.bfloat16)
+    assert not gluon_decode.covers(q, k, 1)  # CPU rows
+    if torch.cuda.is_available():
+        q, k = q.cuda(), k.cuda()
+        hopper = torch.cuda.get_device_capability() == (9, 0)
+        assert gluon_decode.covers(q, k, 1) == hopper and gluon_decode.covers(q, k, 4) == hopper
+        assert not gluon_decode.covers(q, k, 5)  # 4 heads x 5 queries > 16 columns
+        assert not gluon_decode.covers(q.half(), k.half(), 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("parts", [None, 1, 2])
+def test_gpu_gives_the_bits_of_flash_tiles_and_of_the_prefill(monkeypatch, head_dim, parts):
+    from rl_engine.kernels.ops.triton.attention import gluon_decode, triton_attention, triton_kv_cache_attention
+
+    if parts == 2 and head_dim == 64:
+        pytest.skip("head_dim 64 is not split (64 rows per product)")
+    monkeypatch.setattr(gluon_decode, "PARTS", parts)
+    lengths, sq = [1, 77, 2048, 2049, 4097, 5000], 1
+    gen = torch.Generator().manual_seed(head_dim)
+    seqs = [tuple(torch.randn(n, h, head_dim, generator=gen).to(torch.bfloat16).cuda() for h in (32, 8, 8))
+            for n in lengths]
+    caches = []
+    for i in (1, 2):  # NaN past every length: never read
+        c = torch.full((len(seqs), max(lengths) + 5, 8, head_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
+        for b, s in enumerate(seqs):
+            c[b, :len(s[i])] = s[i]
+        caches.append(c)
+    q = torch.stack([s[0][-sq:] for s in seqs])
+    lengths_t = torch.tensor(lengths, device="cuda")
+    calls = []
+    decode = gluon_decode.gluon_decode
+    monkeypatch.setattr(gluon_decode, "gluon_decode", lambda *a, **kw: calls.append(1) or decode(*a, **kw))
+    got = triton_kv_cache_attention(q, *caches, lengths_t)
+    assert calls, "the step did not take the Gluon decode"
+    with monkeypatch.context() as m:
+        m.setattr(gluon_decode, "covers", lambda *args: False)
+        tiles = triton_kv_cache_attention(q, *caches, lengths_t)
+    prefill = torch.stack([triton_attention(s[0][None], s[1][None], s[2][None])[0, -sq:] for s in seqs])
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, tiles), "the Gluon decode and flash.py's tiles differ"
+    assert torch.equal(got, prefill), "the Gluon decode and the prefill differ"
