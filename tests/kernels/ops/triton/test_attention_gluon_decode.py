@@ -19,19 +19,20 @@ COMPILE = """
 import json, sys
 from rl_engine.kernels.ops.triton.attention.gluon_decode import compile_for_sm90
 from rl_engine.kernels.ops.triton.sm90 import ptxas_registers
-k = compile_for_sm90(int(sys.argv[1]), sys.argv[2] == "partial", int(sys.argv[3]))
+k = compile_for_sm90(int(sys.argv[1]), sys.argv[2] == "partial", int(sys.argv[3]), sys.argv[4] == "lengths")
 ptx = k.asm["ptx"]
 print(json.dumps({"shared": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"), **ptxas_registers(ptx)}))
 """
 
 
-@pytest.mark.parametrize("head_dim, mode, parts", [(128, "final", 2), (128, "partial", 1), (128, "partial", 2),
-                                                   (64, "final", 1), (64, "partial", 1)])
-def test_compiles_for_the_h200_without_serialised_wgmma(head_dim, mode, parts):
+@pytest.mark.parametrize("head_dim, mode, parts, seq", [(128, "final", 2, "table"), (128, "partial", 1, "table"),
+                                                        (128, "partial", 2, "lengths"), (64, "final", 1, "lengths"),
+                                                        (64, "partial", 1, "table")])
+def test_compiles_for_the_h200_without_serialised_wgmma(head_dim, mode, parts, seq):
     from rl_engine.kernels.ops.triton.sm90 import H200_SHARED_BYTES
 
     env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, "-c", COMPILE, str(head_dim), mode, str(parts)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", COMPILE, str(head_dim), mode, str(parts), seq], capture_output=True,
                           text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -59,32 +60,41 @@ def test_routes_bf16_groups_of_up_to_16_query_columns():
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("parts", [None, 1, 2])
 def test_gpu_gives_the_bits_of_flash_tiles_and_of_the_prefill(monkeypatch, head_dim, parts):
+    """The KV-cache step (lengths read in the kernel), the same rows through flash_forward's table, flash.py's tiles
+    and the prefill: equal bits, over lengths that leave a split 1-5 blocks (the walk's odd and even tails)."""
     from rl_engine.kernels.ops.triton.attention import gluon_decode, triton_attention, triton_kv_cache_attention
+    from rl_engine.kernels.ops.triton.attention.flash import default_scale, flash_forward
+    from rl_engine.kernels.ops.triton.attention.kv_cache_attention import kv_cache_table
 
     if parts == 2 and head_dim == 64:
         pytest.skip("head_dim 64 is not split (64 rows per product)")
     monkeypatch.setattr(gluon_decode, "PARTS", parts)
-    lengths, sq = [1, 77, 2048, 2049, 4097, 5000], 1
+    lengths, sq = [1, 64, 65, 129, 193, 2048, 2049, 2200, 2250, 4097, 5000], 1
     gen = torch.Generator().manual_seed(head_dim)
     seqs = [tuple(torch.randn(n, h, head_dim, generator=gen).to(torch.bfloat16).cuda() for h in (32, 8, 8))
             for n in lengths]
+    smax = max(lengths) + 5
     caches = []
     for i in (1, 2):  # NaN past every length: never read
-        c = torch.full((len(seqs), max(lengths) + 5, 8, head_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
+        c = torch.full((len(seqs), smax, 8, head_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
         for b, s in enumerate(seqs):
             c[b, :len(s[i])] = s[i]
         caches.append(c)
     q = torch.stack([s[0][-sq:] for s in seqs])
     lengths_t = torch.tensor(lengths, device="cuda")
     calls = []
-    decode = gluon_decode.gluon_decode
-    monkeypatch.setattr(gluon_decode, "gluon_decode", lambda *a, **kw: calls.append(1) or decode(*a, **kw))
+    launch = gluon_decode._launch
+    monkeypatch.setattr(gluon_decode, "_launch", lambda *a: calls.append(a[-1]) or launch(*a))
     got = triton_kv_cache_attention(q, *caches, lengths_t)
-    assert calls, "the step did not take the Gluon decode"
+    rows = [t.reshape(-1, 8 if t is not q else 32, head_dim) for t in (q, *caches)]
+    table = kv_cache_table(lengths_t, sq, smax, "cuda")
+    via_table, _ = flash_forward(*rows, table, causal=True, scale=default_scale(head_dim, None))
+    assert calls == [True, False], "the step and the table's forward did not both take the Gluon decode"
     with monkeypatch.context() as m:
         m.setattr(gluon_decode, "covers", lambda *args: False)
         tiles = triton_kv_cache_attention(q, *caches, lengths_t)
     prefill = torch.stack([triton_attention(s[0][None], s[1][None], s[2][None])[0, -sq:] for s in seqs])
     assert torch.isfinite(got).all()
+    assert torch.equal(got, via_table.reshape(got.shape)), "lengths read in the kernel and the table differ"
     assert torch.equal(got, tiles), "the Gluon decode and flash.py's tiles differ"
     assert torch.equal(got, prefill), "the Gluon decode and the prefill differ"

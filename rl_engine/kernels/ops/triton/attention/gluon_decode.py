@@ -7,12 +7,14 @@ keys are the tensor cores' M side (M is 64 at least, N goes down to 8) and the q
 
     sᵀ = k·qᵀ [64, QN],   accᵀ = vᵀ·p̃ᵀ + accᵀ [D, QN],   lᵀ = 1·p̃ᵀ + lᵀ [64, QN]
 
-One warpgroup walks a split: block j's k·qᵀ and block j-1's products are issued together, block j's softmax runs while
-the products are in flight (p̃ goes to shared memory, the B operand), then acc and l are rescaled by block j's alpha.
-Nothing is in flight across the loop's back edge: with products in flight there, ptxas serialised every wgmma (C7514)
-and the step was 1.37x slower than flash.py's (docs/evidence/h200_probe_decode_gluon.log). K/V blocks stream in by TMA,
-STAGES deep. A program may take a part of the head dim (D_PARTS: accᵀ's rows are independent), so a batch-1 step has
-16-64 programs instead of 8-32.
+One warpgroup walks a split, two blocks a loop trip (`_walk`): blocks a and a+1's k·qᵀ are issued with block a-2's
+products; acc and l are rescaled by alpha_{a-1} and block a-1's products run while the two blocks' softmaxes do (two
+independent chains for a scheduler that has one warp; p̃ goes to shared memory, the B operand); then the rescale by
+alpha_a. Every loop waits for the products it issues: with products in flight across a loop's back edge (or out of a
+branch) ptxas serialised every wgmma (C7514/C7515), and the first form was 1.37x slower than flash.py's
+(docs/evidence/h200_probe_decode_gluon.log). K/V blocks stream in by TMA, STAGES deep. A program may take a part of
+the head dim (D_PARTS: accᵀ's rows are independent), so a batch-1 step has 16-64 programs instead of 8-32. A KV-cache
+step reads its lengths in the kernel (`gluon_decode_cache`), which saves kv_cache_attention's table launch.
 
 Every element is flash.py's: the same key blocks from the sequence's first key, the same KV splits folded by flash.py's
 combine kernel (or, in one split, into a fresh state as flash.py's program does), the scale in an explicit fma, exp2,
@@ -21,8 +23,8 @@ gluon_forward.py), masks by `where` (applied to every block: a fully visible blo
 kv_len zeroed. The H200 gives flash.py's bits (a wgmma's sum for one element does not depend on which operand is which,
 nor on N or M): 0 tokens differ in the probe above and in the gpu tests (test_attention_consistency).
 
-H200 (torch 2.11, Triton 3.6; CUDA graphs, 32/8 heads x 128): batch 1 x 1k / 8k 13.1-13.7 / 25.5-26.2 us against
-flash.py's 16.1 / 27.5 (SDPA 6.5 / 11.1), batch 64 x 8k 486-498 vs 535 us (SDPA 482-484).
+H200 (torch 2.11, Triton 3.6; CUDA graphs, 32/8 heads x 128), one block a trip: batch 1 x 1k / 8k 13.1-13.7 /
+25.5-26.2 us against flash.py's 16.1 / 27.5 (SDPA 6.5 / 11.1), batch 64 x 8k 486-498 vs 535 us (SDPA 482-484).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from rl_engine.kernels.ops.triton.attention import flash, gluon_forward
-from rl_engine.kernels.ops.triton.attention.flash import COMBINE_BLOCK_R, LOG2_E, attention_config
+from rl_engine.kernels.ops.triton.attention.flash import _NO_WINDOW, COMBINE_BLOCK_R, LOG2_E, attention_config
 from rl_engine.kernels.ops.triton.attention.gluon_forward import (
     M_INIT,
     RESCALE_ABOVE,
@@ -54,7 +56,8 @@ from rl_engine.kernels.ops.triton.attention.gluon_forward import (
 QN = 16  # query columns of a program: group · queries <= 16 (decode, and a few queries per step at group <= 4)
 L_ROWS = 64  # lᵀ's rows: the ones operand at the tensor cores' smallest M
 HEAD_DIMS = (64, 128)
-STAGES = 6  # K/V blocks in flight: 192 KiB at head_dim 128
+P_SLOTS = gl.constexpr(4)  # p̃ ring: blocks a - 1 (read by a product in flight), a, a + 1 written
+STAGES = 6  # K/V blocks in flight (>= 4: a loop trip holds two while it refills two): 192 KiB at head_dim 128
 PARTS = None  # override of head_dim_parts (probes)
 
 
@@ -73,8 +76,8 @@ def _load(desc_k, desc_v, k_bufs, v_bufs, ready, t, b0, k_row0, k_col, v_col, BL
 @gluon.jit
 def _softmax(s, m, t, p_bufs, v_bufs, k_base, v_rows, b0, q_pos, kv_len, window, qk_scale, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, CAUSAL: gl.constexpr, v_layout: gl.constexpr):
-    """Block b0 + t's softmax (flash.py's `_online_softmax_block` on the transposed tile): p̃ into p_bufs[t % 2] (last
-    read by block t-2's products, done), the block's V rows past kv_len zeroed; returns (m_new, alpha)."""
+    """Block b0 + t's softmax (flash.py's `_online_softmax_block` on the transposed tile): p̃ into p_bufs[t % P_SLOTS]
+    (no product in flight reads that slot), the block's V rows past kv_len zeroed; returns (m_new, alpha)."""
     start = (b0 + t) * BLOCK_N
     k_pos = start + k_base
     visible = gl.expand_dims(k_pos < kv_len, 1) & (gl.expand_dims(k_pos, 1) > gl.expand_dims(q_pos - window, 0))
@@ -84,7 +87,7 @@ def _softmax(s, m, t, p_bufs, v_bufs, k_base, v_rows, b0, q_pos, kv_len, window,
     m_max = gl.maximum(m, gl.max(s, 0) * qk_scale)
     m_new = gl.where(m_max - m > RESCALE_ABOVE, m_max, m)  # flash.py's `_lazy_max`
     alpha = gl.exp2(m - m_new)
-    p_bufs.index(t % 2).store(_to_bf16(gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(m_new, 0)))))
+    p_bufs.index(t % P_SLOTS).store(_to_bf16(gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(m_new, 0)))))
     if start + BLOCK_N > kv_len:  # rows past kv_len (a neighbour's, or anything) read as zeros, as in flash.py
         v_slot = v_bufs.index(t % STAGES)
         v_blk = v_slot.load(v_layout)
@@ -94,13 +97,40 @@ def _softmax(s, m, t, p_bufs, v_bufs, k_base, v_rows, b0, q_pos, kv_len, window,
 
 
 @gluon.jit
+def _scores(k_bufs, q_t, s_zero, t):
+    """Block t's k·qᵀ (its K/V landed: _arrived)."""
+    return warpgroup_mma(k_bufs.index(t % k_bufs.shape[0]), q_t, s_zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _arrived(ready, t, STAGES: gl.constexpr):
+    mbarrier.wait(ready.index(t % STAGES), (t // STAGES) & 1)
+
+
+@gluon.jit
+def _products(v_bufs, p_bufs, ones, acc, l_t, t, STAGES: gl.constexpr):
+    """Block t's products issued: accᵀ += vᵀ·p̃ᵀ, lᵀ += 1·p̃ᵀ."""
+    acc = warpgroup_mma(v_bufs.index(t % STAGES).permute((1, 0)), p_bufs.index(t % P_SLOTS), acc, is_async=True)
+    l_t = warpgroup_mma(ones, p_bufs.index(t % P_SLOTS), l_t, is_async=True)
+    return acc, l_t
+
+
+@gluon.jit
+def _rescale(acc, l_t, alpha):
+    return acc * gl.expand_dims(alpha, 0), l_t * gl.expand_dims(alpha, 0)
+
+
+@gluon.jit
 def _walk(desc_k, desc_v, q_smem, k_bufs, v_bufs, p_bufs, ready, m, l_t, acc, b0, n, k_row0, k_col, v_col, q_pos,
           kv_len, window, qk_scale, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
           mma: gl.constexpr):
-    """Blocks b0 … b0 + n - 1 (n >= 1) from the state (m, l_t, acc). Block j's k·qᵀ and block j-1's products are
-    issued together, block j's softmax runs while the products are in flight, then acc and l are rescaled by
-    block j's alpha: acc += p̃_{j-1}·v_{j-1}, then acc *= alpha_j, flash.py's operations in its order. Nothing is in
-    flight across the loop's back edge (ptxas serialises every wgmma of a loop whose accumulators cross it)."""
+    """Blocks b0 … b0 + n - 1 (n >= 1) from a fresh state (m, 0, 0). Between loops the state is 'blocks x - 1 and x
+    pending': acc holds blocks <= x - 2 scaled by alpha_{x-1}, p̃_{x-1} and p̃_x sit in shared memory, alpha_x is
+    held. A loop trip takes two blocks a, a + 1 = x + 1, x + 2: their k·qᵀ issued with block a - 2's products, then
+    acc *= alpha_{a-1}, block a - 1's products run while the two blocks' softmaxes do (two independent chains for
+    the scheduler), then acc *= alpha_a. Each block's operations are flash.py's in its order (acc + p̃·v, then
+    acc·alpha). Every loop waits for every product it issues: ptxas serialises every wgmma of a kernel whose
+    products are in flight across a loop's back edge or a branch."""
     ones = gl.full([l_t.shape[0], BLOCK_N], 1.0, gl.bfloat16, gl.DotOperandLayout(operand_index=0, parent=mma,
                                                                                   k_width=2))
     s_zero = gl.zeros([BLOCK_N, acc.shape[1]], gl.float32, mma)
@@ -110,31 +140,49 @@ def _walk(desc_k, desc_v, q_smem, k_bufs, v_bufs, p_bufs, ready, m, l_t, acc, b0
     q_t = q_smem.permute((1, 0))
     for t in range(0, gl.minimum(n, STAGES)):
         _load(desc_k, desc_v, k_bufs, v_bufs, ready, t, b0, k_row0, k_col, v_col, BLOCK_N, STAGES)
-    mbarrier.wait(ready.index(0), 0)
-    s = warpgroup_mma(k_bufs.index(0), q_t, s_zero, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    m, alpha = _softmax(s, m, 0, p_bufs, v_bufs, k_base, v_rows, b0, q_pos, kv_len, window, qk_scale, BLOCK_N,
-                        STAGES, CAUSAL, v_layout)
-    acc = acc * gl.expand_dims(alpha, 0)
-    l_t = l_t * gl.expand_dims(alpha, 0)
-    for t in range(1, n):
-        prv = (t - 1) % STAGES
-        mbarrier.wait(ready.index(t % STAGES), (t // STAGES) & 1)
-        s = warpgroup_mma(k_bufs.index(t % STAGES), q_t, s_zero, use_acc=False, is_async=True)
-        acc = warpgroup_mma(v_bufs.index(prv).permute((1, 0)), p_bufs.index((t - 1) % 2), acc, is_async=True)
-        l_t = warpgroup_mma(ones, p_bufs.index((t - 1) % 2), l_t, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=2, deps=(s, ))
+    alpha = gl.full_like(m, 1.0)
+    # blocks 0 and 1's softmaxes; acc and l stay 0 (a fresh state's rescale by alpha_0 is exact: 0 · finite)
+    for t in range(0, gl.minimum(n, 2)):
+        _arrived(ready, t, STAGES)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(k_bufs, q_t, s_zero, t), ))
         m, alpha = _softmax(s, m, t, p_bufs, v_bufs, k_base, v_rows, b0, q_pos, kv_len, window, qk_scale, BLOCK_N,
                             STAGES, CAUSAL, v_layout)
+    rest = gl.maximum(n - 2, 0)
+    for a in range(2, 2 + rest % 2):  # one block alone, so that pairs take the rest
+        _arrived(ready, a, STAGES)
+        acc, l_t = _products(v_bufs, p_bufs, ones, acc, l_t, a - 2, STAGES)
+        s = _scores(k_bufs, q_t, s_zero, a)
+        acc, l_t = warpgroup_mma_wait(num_outstanding=1, deps=(acc, l_t))
+        acc, l_t = _rescale(acc, l_t, alpha)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        m, alpha = _softmax(s, m, a, p_bufs, v_bufs, k_base, v_rows, b0, q_pos, kv_len, window, qk_scale, BLOCK_N,
+                            STAGES, CAUSAL, v_layout)
+        if a - 2 + STAGES < n:  # block a - 2 is done
+            _load(desc_k, desc_v, k_bufs, v_bufs, ready, a - 2 + STAGES, b0, k_row0, k_col, v_col, BLOCK_N, STAGES)
+    for a in range(2 + rest % 2, n, 2):
+        _arrived(ready, a, STAGES)
+        _arrived(ready, a + 1, STAGES)
+        acc, l_t = _products(v_bufs, p_bufs, ones, acc, l_t, a - 2, STAGES)
+        s0 = _scores(k_bufs, q_t, s_zero, a)
+        s1 = _scores(k_bufs, q_t, s_zero, a + 1)
+        acc, l_t = warpgroup_mma_wait(num_outstanding=2, deps=(acc, l_t))
+        acc, l_t = _rescale(acc, l_t, alpha)
+        acc, l_t = _products(v_bufs, p_bufs, ones, acc, l_t, a - 1, STAGES)
+        s0, s1 = warpgroup_mma_wait(num_outstanding=2, deps=(s0, s1))
+        m, alpha0 = _softmax(s0, m, a, p_bufs, v_bufs, k_base, v_rows, b0, q_pos, kv_len, window, qk_scale,
+                             BLOCK_N, STAGES, CAUSAL, v_layout)
+        m, alpha = _softmax(s1, m, a + 1, p_bufs, v_bufs, k_base, v_rows, b0, q_pos, kv_len, window, qk_scale,
+                            BLOCK_N, STAGES, CAUSAL, v_layout)
         acc, l_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_t))
-        if t + STAGES - 1 < n:  # block t-1's slot is free: its k·qᵀ and products are done
-            _load(desc_k, desc_v, k_bufs, v_bufs, ready, t + STAGES - 1, b0, k_row0, k_col, v_col, BLOCK_N, STAGES)
-        acc = acc * gl.expand_dims(alpha, 0)
-        l_t = l_t * gl.expand_dims(alpha, 0)
-    last = (n - 1) % 2
-    acc = warpgroup_mma(v_bufs.index((n - 1) % STAGES).permute((1, 0)), p_bufs.index(last), acc, is_async=True)
-    l_t = warpgroup_mma(ones, p_bufs.index(last), l_t, is_async=True)
-    acc, l_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_t))
+        acc, l_t = _rescale(acc, l_t, alpha0)
+        for u in gl.static_range(2):  # blocks a - 2 and a - 1 are done: their slots take blocks STAGES on
+            if a - 2 + u + STAGES < n:
+                _load(desc_k, desc_v, k_bufs, v_bufs, ready, a - 2 + u + STAGES, b0, k_row0, k_col, v_col, BLOCK_N,
+                      STAGES)
+    for t in range(gl.maximum(n - 2, 0), n):  # the pending products; the last block's take no alpha (x · 1 = x)
+        acc, l_t = _products(v_bufs, p_bufs, ones, acc, l_t, t, STAGES)
+        acc, l_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_t))
+        acc, l_t = _rescale(acc, l_t, gl.where(t + 1 < n, alpha, 1.0))
     return m, l_t, acc
 
 
@@ -142,10 +190,10 @@ def _walk(desc_k, desc_v, q_smem, k_bufs, v_bufs, p_bufs, ready, m, l_t, acc, b0
 def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
                         stride_qr, stride_qh, stride_or, stride_oh, stride_lr,
                         stride_ps, stride_pr, stride_ph, stride_as, stride_ar, stride_ah,
-                        qk_scale, group, q_per_head,
+                        qk_scale, group, q_per_head, cache_rows,
                         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, D_PARTS: gl.constexpr, QN: gl.constexpr,
                         L_M: gl.constexpr, STAGES: gl.constexpr, KV_SPLIT: gl.constexpr, PARTIAL: gl.constexpr,
-                        CAUSAL: gl.constexpr):
+                        CAUSAL: gl.constexpr, FROM_LENGTHS: gl.constexpr):
     # Program (split, KV head · D_PARTS + part, sequence). Column c holds query c % q_per_head of the group's head
     # c // q_per_head. PARTIAL: the split's state for flash.py's combine kernel; otherwise the keys fit one split
     # and the program writes the output.
@@ -156,7 +204,16 @@ def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
     split = gl.program_id(0)
     kv_head = gl.program_id(1) // D_PARTS
     part = gl.program_id(1) % D_PARTS
-    q_row0, q_count, q_pos0, k_row0, kv_len, window = _sequence(SEQ_INFO)
+    if FROM_LENGTHS:  # a KV cache's lengths [B] (kv_cache_attention's table, without its launch)
+        seq = gl.program_id(2)
+        kv_len = gl.minimum(gl.maximum(gl.load(SEQ_INFO + seq), 0), cache_rows).to(gl.int32)
+        q_row0 = seq * q_per_head
+        q_count = q_per_head
+        q_pos0 = kv_len - q_per_head
+        k_row0 = seq * cache_rows
+        window = _NO_WINDOW
+    else:
+        q_row0, q_count, q_pos0, k_row0, kv_len, window = _sequence(SEQ_INFO)
 
     # the group's queries [QN, HEAD_DIM] into shared memory (q·kᵀ's B operand, transposed)
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -169,7 +226,7 @@ def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
                                        gl.NVMMASharedLayout.get_default_for([QN, HEAD_DIM], gl.bfloat16), q)
     k_bufs = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
     v_bufs = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
-    p_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, QN],
+    p_bufs = gl.allocate_shared_memory(gl.bfloat16, [P_SLOTS, BLOCK_N, QN],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, QN], gl.bfloat16))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -253,12 +310,23 @@ def _columns_descriptor(x: torch.Tensor, block_rows: int, block_cols: int):
 
 def gluon_decode(q, k, v, table, *, causal: bool, scale: float):
     """flash.flash_forward's contract for the rows `covers` takes: (out [R,Hq,D], lse [R,Hq] fp32 log2)."""
+    return _launch(q, k, v, table.info, table.num_sequences, table.max_q_count, table.max_kv_len, causal, scale,
+                   False)
+
+
+def gluon_decode_cache(q, k, v, lengths, sq: int, smax: int, *, scale: float):
+    """kv_cache_attention's step on rows q [B·Sq,Hq,D], caches [B·Smax,Hkv,D], lengths [B] on the GPU (clamped to
+    [0, Smax] as its table is), with no table launch: (out, lse)."""
+    return _launch(q, k, v, lengths, lengths.shape[0], sq, smax, True, scale, True)
+
+
+def _launch(q, k, v, seq_info, num_sequences, max_q_count, max_kv_len, causal, scale, from_lengths):
     rows, hq, d = q.shape
     hkv = k.shape[1]
     config = attention_config(q.dtype, d)
     out = torch.empty_like(q)
     lse = torch.empty((rows, hq), dtype=torch.float32, device=q.device)
-    num_splits = triton.cdiv(max(table.max_kv_len, 1), config.kv_split)
+    num_splits = triton.cdiv(max(max_kv_len, 1), config.kv_split)
     partial = num_splits > 1
     if partial:
         pm = torch.empty((num_splits, rows, hq), dtype=torch.float32, device=q.device)
@@ -269,12 +337,12 @@ def gluon_decode(q, k, v, table, *, causal: bool, scale: float):
         pm = pl = pacc = lse  # unused
         p_strides = a_strides = (0, 0, 0)
     block_n = config.forward.block_n
-    parts = head_dim_parts(d, num_splits * hkv * table.num_sequences)
-    gluon_decode_kernel[(num_splits, hkv * parts, table.num_sequences)](
+    parts = head_dim_parts(d, num_splits * hkv * num_sequences)
+    gluon_decode_kernel[(num_splits, hkv * parts, num_sequences)](
         gluon_forward.row_descriptor(k, block_n), _columns_descriptor(v, block_n, d // parts), q, out, lse, pm, pl,
-        pacc, table.info, q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), *p_strides,
-        *a_strides, scale * LOG2_E, hq // hkv, table.max_q_count,
-        block_n, d, parts, QN, L_ROWS, STAGES, config.kv_split, partial, causal, num_warps=4)
+        pacc, seq_info, q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), *p_strides,
+        *a_strides, scale * LOG2_E, hq // hkv, max_q_count, max_kv_len,
+        block_n, d, parts, QN, L_ROWS, STAGES, config.kv_split, partial, causal, from_lengths, num_warps=4)
     if partial:
         flash._split_combine_kernel[(triton.cdiv(rows * hq, COMBINE_BLOCK_R),)](
             pm, pl, pacc, out, lse, num_splits, rows, hq, d, *p_strides, *a_strides, out.stride(0), out.stride(1),
@@ -282,7 +350,7 @@ def gluon_decode(q, k, v, table, *, causal: bool, scale: float):
     return out, lse
 
 
-def compile_for_sm90(head_dim: int = 128, partial: bool = False, parts: int = 1):
+def compile_for_sm90(head_dim: int = 128, partial: bool = False, parts: int = 1, from_lengths: bool = False):
     """The kernel compiled for sm_90a with no GPU present (Gluon has no interpreter), bound to stand-in tensors of a
     32/8-head problem, as gluon_forward.compile_for_sm90 does."""
     from triton import compile as triton_compile
@@ -303,8 +371,8 @@ def compile_for_sm90(head_dim: int = 128, partial: bool = False, parts: int = 1)
             MockTensor("bfloat16", [8192, 32, head_dim]), MockTensor("bfloat16", [8192, 32, head_dim]), f32, f32, f32,
             MockTensor("float32", [4, 8192, 32, head_dim]), MockTensor("int32", [4, 6]),
             32 * head_dim, head_dim, 32 * head_dim, head_dim, 32, 8192 * 32, 32, 1, 8192 * 32 * head_dim,
-            32 * head_dim, head_dim, 0.1, 4, 1,
-            block_n, head_dim, parts, QN, L_ROWS, STAGES, 2048, partial, True)
+            32 * head_dim, head_dim, 0.1, 4, 1, 8192,
+            block_n, head_dim, parts, QN, L_ROWS, STAGES, 2048, partial, True, from_lengths)
     bound, specialization, options = create_function_from_signature(kernel.signature, kernel.params, backend)(
         *args, num_warps=4)
     options, signature, constexprs, attrs = kernel._pack_args(backend, {"num_warps": 4}, bound, specialization,

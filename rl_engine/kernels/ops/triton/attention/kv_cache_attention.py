@@ -24,11 +24,13 @@ from rl_engine.kernels.ops.triton.attention.flash import (
     MAX_SEQUENCES,
     NO_WINDOW,
     SequenceTable,
+    _aligned,
     attention_config,
     default_scale,
     flash_attention_op,
     flash_forward,
 )
+from rl_engine.kernels.ops.triton.runtime import interpreting
 
 TABLE_BLOCK = 128  # cache rows per program
 
@@ -86,8 +88,16 @@ def triton_kv_cache_attention(q, k_cache, v_cache, cache_seqlens, *, scale: floa
         raise ValueError(f"k_cache, v_cache: expected q's dtype {q.dtype}, got {k_cache.dtype}, {v_cache.dtype}")
     b, sq, hq, d = q.shape
     smax, hkv = k_cache.shape[1], k_cache.shape[2]
-    table = kv_cache_table(cache_seqlens, sq, smax, q.device)
     rows = [t.reshape(-1, t.shape[2], t.shape[3]).contiguous() for t in (q, k_cache, v_cache)]
+    if q.is_cuda and not interpreting() and not torch.compiler.is_compiling() and 0 < b <= MAX_SEQUENCES:
+        from rl_engine.kernels.ops.triton.attention import gluon_decode
+
+        if gluon_decode.covers(rows[0], rows[1], sq):  # the table built in the kernel: one launch fewer a step
+            with torch.no_grad():
+                out, _ = gluon_decode.gluon_decode_cache(*_aligned(*rows), cache_seqlens.to(device=q.device), sq,
+                                                         smax, scale=default_scale(d, scale))
+            return out.reshape(q.shape)
+    table = kv_cache_table(cache_seqlens, sq, smax, q.device)
     heads_per_tile = _heads_per_tile(hq // hkv, attention_config(q.dtype, d).forward.block_m, sq)
     with torch.no_grad():  # forward only: cached rows past a length are not covered by the table
         if torch.compiler.is_compiling():  # traced: the custom op, whose fake gives the compiler shapes
