@@ -6,7 +6,8 @@ positions <= its own. It runs the forward kernel of `flash.py` with the same til
 (key blocks aligned to cache position 0), so a token's output has the same bits as in a full prefill,
 a packed batch, or any chunking. To use the tile's rows when Sq is small (decode), the tile is filled
 with the other query heads of the same KV head;
-a row's result does not depend on its neighbours.
+a row's result does not depend on its neighbours. On the H200 a bf16 step at head_dim 64 / 128 whose KV head has at most
+16 query columns (group · Sq) runs `gluon_decode.py` instead: the same bits, the lengths read in the kernel.
 
 Cached positions at or beyond cache_seqlens[b] are never read (they may hold anything, even NaN).
 Lengths are checked against [Sq, Smax] when cache_seqlens lives on the CPU; on the GPU they are
