@@ -63,6 +63,7 @@ from rl_engine.kernels.ops.triton.attention.gluon_forward import (
     _sequence,
     _tile_blocks,
     check_rows,
+    compile_sm90a,
     mock_row_descriptor,
     row_descriptor,
 )
@@ -585,15 +586,9 @@ def _splits_tile(head_dim: int) -> bool:
 def compile_for_sm90(causal: bool, kernel: str = "dq", head_dim: int = 128):
     """A kernel ("dq" or "dkdv") compiled for sm_90a with no GPU present, bound to stand-ins of a B·S = 8192,
     32/8-head problem."""
-    from triton import compile as triton_compile
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.runtime.jit import MockTensor, create_function_from_signature
+    from triton.runtime.jit import MockTensor
 
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
     block_n = attention_config(torch.bfloat16, head_dim).backward_dq.block_n
 
     desc = functools.partial(mock_row_descriptor, head_dim=head_dim)
@@ -611,7 +606,4 @@ def compile_for_sm90(causal: bool, kernel: str = "dq", head_dim: int = 128):
         args = (desc(DKDV_BLOCK_Q, 32), desc(DKDV_BLOCK_Q, 32), desc(BLOCK_M, 8), desc(BLOCK_M, 8), row, row, rows,
                 rows, info, 8 * head_dim, head_dim, 0.1, 0.1, 4, DKDV_BLOCK_Q, BLOCK_M, head_dim, DKDV_STAGES, causal,
                 REGS, _splits_tile(head_dim))
-    bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(
-        *args, num_warps=4)
-    options, signature, constexprs, attrs = fn._pack_args(backend, {"num_warps": 4}, bound, specialization, options)
-    return triton_compile(GluonASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    return compile_sm90a(fn, args)

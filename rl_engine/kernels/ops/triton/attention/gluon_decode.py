@@ -51,6 +51,7 @@ from rl_engine.kernels.ops.triton.attention.gluon_forward import (
     _sequence,
     _tile_blocks,
     _to_bf16,
+    compile_sm90a,
 )
 
 QN = 16  # query columns of a program: group · queries <= 16 (decode, and a few queries per step at group <= 4)
@@ -352,18 +353,11 @@ def _launch(q, k, v, seq_info, num_sequences, max_q_count, max_kv_len, causal, s
 
 def compile_for_sm90(head_dim: int = 128, partial: bool = False, parts: int = 1, from_lengths: bool = False):
     """The kernel compiled for sm_90a with no GPU present (Gluon has no interpreter), bound to stand-in tensors of a
-    32/8-head problem, as gluon_forward.compile_for_sm90 does."""
-    from triton import compile as triton_compile
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
+    32/8-head problem (gluon_forward.compile_sm90a)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.runtime.jit import MockTensor, create_function_from_signature
+    from triton.runtime.jit import MockTensor
 
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
     block_n = attention_config(torch.bfloat16, head_dim).forward.block_n
-    kernel = gluon_decode_kernel
     f32 = MockTensor("float32", [8192, 32])
     v_desc = TensorDescriptor(MockTensor("bfloat16", [8192, 8 * head_dim]), [8192, 8 * head_dim],
                               [8 * head_dim, 1], [block_n, head_dim // parts], _v_layout(block_n, head_dim // parts))
@@ -373,9 +367,4 @@ def compile_for_sm90(head_dim: int = 128, partial: bool = False, parts: int = 1,
             32 * head_dim, head_dim, 32 * head_dim, head_dim, 32, 8192 * 32, 32, 1, 8192 * 32 * head_dim,
             32 * head_dim, head_dim, 0.1, 4, 1, 8192,
             block_n, head_dim, parts, QN, L_ROWS, STAGES, 2048, partial, True, from_lengths)
-    bound, specialization, options = create_function_from_signature(kernel.signature, kernel.params, backend)(
-        *args, num_warps=4)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, {"num_warps": 4}, bound, specialization,
-                                                              options)
-    return triton_compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target,
-                          options=options.__dict__)
+    return compile_sm90a(gluon_decode_kernel, args)

@@ -594,30 +594,37 @@ def gluon_forward(q, k, v, table, *, causal: bool, scale: float | None = None):
     return out, lse
 
 
-def compile_for_sm90(causal: bool, head_dim: int = 128):
-    """The kernel compiled for sm_90a with no GPU present (the interpreter must be off: Gluon has none),
-    bound through the launcher's own argument binding to stand-in tensors of a B·S = 8192, 32/8-head problem."""
+def compile_sm90a(kernel, args):
+    """A Gluon kernel compiled for sm_90a with no GPU present (the interpreter must be off: Gluon has none), bound to
+    `args` (stand-in tensors and descriptors) through the launcher's own argument binding, 4 warps."""
     from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import MockTensor, create_function_from_signature
+    from triton.runtime.jit import create_function_from_signature
 
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
-    consumers, stages, regs, t_tiles = SHAPES[head_dim]
-    block_n = attention_config(torch.bfloat16, head_dim).forward.block_n
-
-    kernel = gluon_forward_kernel
-    f32 = MockTensor("float32", [8192, 32])
-    desc = functools.partial(mock_row_descriptor, head_dim=head_dim)
-    args = (desc(BLOCK_M, 32), desc(block_n, 8), desc(block_n, 8), MockTensor("bfloat16", [8192, 32, head_dim]),
-            f32, f32, f32, MockTensor("float32", [8192, 32, head_dim]), MockTensor("int32", [4, 6]),
-            32 * head_dim, head_dim, 32, 32 * head_dim, head_dim, 0.1, 4,
-            BLOCK_M, block_n, head_dim, stages, causal, 2048, consumers, regs, t_tiles)
     bound, specialization, options = create_function_from_signature(kernel.signature, kernel.params, backend)(
         *args, num_warps=4)
     options, signature, constexprs, attrs = kernel._pack_args(backend, {"num_warps": 4}, bound, specialization,
                                                               options)
     return triton_compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target,
                           options=options.__dict__)
+
+
+def compile_for_sm90(causal: bool, head_dim: int = 128):
+    """The kernel compiled for sm_90a on the CPU (`compile_sm90a`), bound to stand-in tensors of a B·S = 8192,
+    32/8-head problem."""
+    from triton.runtime.jit import MockTensor
+
+    consumers, stages, regs, t_tiles = SHAPES[head_dim]
+    block_n = attention_config(torch.bfloat16, head_dim).forward.block_n
+
+    f32 = MockTensor("float32", [8192, 32])
+    desc = functools.partial(mock_row_descriptor, head_dim=head_dim)
+    args = (desc(BLOCK_M, 32), desc(block_n, 8), desc(block_n, 8), MockTensor("bfloat16", [8192, 32, head_dim]),
+            f32, f32, f32, MockTensor("float32", [8192, 32, head_dim]), MockTensor("int32", [4, 6]),
+            32 * head_dim, head_dim, 32, 32 * head_dim, head_dim, 0.1, 4,
+            BLOCK_M, block_n, head_dim, stages, causal, 2048, consumers, regs, t_tiles)
+    return compile_sm90a(gluon_forward_kernel, args)
