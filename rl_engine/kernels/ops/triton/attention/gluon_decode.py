@@ -10,7 +10,9 @@ keys are the tensor cores' M side (M is 64 at least, N goes down to 8) and the q
 One warpgroup walks a split, two blocks a loop trip (`_walk`): blocks a and a+1's k·qᵀ are issued with block a-2's
 products; acc and l are rescaled by alpha_{a-1} and block a-1's products run while the two blocks' softmaxes do (two
 independent chains for a scheduler that has one warp; p̃ goes to shared memory, the B operand); then the rescale by
-alpha_a. Every loop waits for the products it issues: with products in flight across a loop's back edge (or out of a
+alpha_a. Both blocks' column maxima are one reduction (a joined [64, QN, 2] tile: one cross-warp exchange, one pair of
+CTA barriers for two blocks, 1.07-1.11x at batch 1, docs/evidence/h200_probe_decode_joint_max.log). Every loop waits
+for the products it issues: with products in flight across a loop's back edge (or out of a
 branch) ptxas serialised every wgmma (C7514/C7515), and the first form was 1.37x slower than flash.py's
 (docs/evidence/h200_probe_decode_gluon.log). K/V blocks stream in by TMA, STAGES deep. A program may take a part of
 the head dim (D_PARTS: accᵀ's rows are independent), so a batch-1 step has 16-64 programs instead of 8-32. A KV-cache
@@ -75,24 +77,45 @@ def _load(desc_k, desc_v, k_bufs, v_bufs, ready, t, b0, k_row0, k_col, v_col, BL
 
 
 @gluon.jit
-def _softmax(s, m, t, p_bufs, v_bufs, k_base, v_rows, b0, q_pos, kv_len, window, qk_scale, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, CAUSAL: gl.constexpr, v_layout: gl.constexpr):
-    """Block b0 + t's softmax (flash.py's `_online_softmax_block` on the transposed tile): p̃ into p_bufs[t % P_SLOTS]
-    (no product in flight reads that slot), the block's V rows past kv_len zeroed; returns (m_new, alpha)."""
+def _masked(s, t, k_base, b0, q_pos, kv_len, window, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Block b0 + t's scores with its invisible keys at -inf."""
     start = (b0 + t) * BLOCK_N
     k_pos = start + k_base
     visible = gl.expand_dims(k_pos < kv_len, 1) & (gl.expand_dims(k_pos, 1) > gl.expand_dims(q_pos - window, 0))
     if CAUSAL:
         visible = visible & (gl.expand_dims(k_pos, 1) <= gl.expand_dims(q_pos, 0))
-    s = gl.where(visible, s, float("-inf"))
-    m_max = gl.maximum(m, gl.max(s, 0) * qk_scale)
+    return gl.where(visible, s, float("-inf"))
+
+
+@gluon.jit
+def _lazy(s, s_max, m, qk_scale):
+    """(m_new, alpha, p̃ in bf16) of a masked block whose column maxima are s_max."""
+    m_max = gl.maximum(m, s_max * qk_scale)
     m_new = gl.where(m_max - m > RESCALE_ABOVE, m_max, m)  # flash.py's `_lazy_max`
     alpha = gl.exp2(m - m_new)
-    p_bufs.index(t % P_SLOTS).store(_to_bf16(gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(m_new, 0)))))
-    if start + BLOCK_N > kv_len:  # rows past kv_len (a neighbour's, or anything) read as zeros, as in flash.py
+    return m_new, alpha, _to_bf16(gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(m_new, 0))))
+
+
+@gluon.jit
+def _zero_tail_v(t, v_bufs, v_rows, b0, kv_len, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, v_layout: gl.constexpr):
+    """Block b0 + t's V rows past kv_len (a neighbour's, or anything) set to zeros in its ring slot, as flash.py reads
+    them."""
+    start = (b0 + t) * BLOCK_N
+    if start + BLOCK_N > kv_len:
         v_slot = v_bufs.index(t % STAGES)
         v_blk = v_slot.load(v_layout)
         v_slot.store(gl.where(gl.expand_dims(start + v_rows < kv_len, 1), v_blk, 0.0))
+
+
+@gluon.jit
+def _softmax(s, m, t, p_bufs, v_bufs, k_base, v_rows, b0, q_pos, kv_len, window, qk_scale, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr, CAUSAL: gl.constexpr, v_layout: gl.constexpr):
+    """Block b0 + t's softmax (flash.py's `_online_softmax_block` on the transposed tile): p̃ into p_bufs[t % P_SLOTS]
+    (no product in flight reads that slot), the block's V rows past kv_len zeroed; returns (m_new, alpha)."""
+    s = _masked(s, t, k_base, b0, q_pos, kv_len, window, BLOCK_N, CAUSAL)
+    m_new, alpha, p = _lazy(s, gl.max(s, 0), m, qk_scale)
+    p_bufs.index(t % P_SLOTS).store(p)
+    _zero_tail_v(t, v_bufs, v_rows, b0, kv_len, BLOCK_N, STAGES, v_layout)
     fence_async_shared()
     return m_new, alpha
 
@@ -170,10 +193,18 @@ def _walk(desc_k, desc_v, q_smem, k_bufs, v_bufs, p_bufs, ready, m, l_t, acc, b0
         acc, l_t = _rescale(acc, l_t, alpha)
         acc, l_t = _products(v_bufs, p_bufs, ones, acc, l_t, a - 1, STAGES)
         s0, s1 = warpgroup_mma_wait(num_outstanding=2, deps=(s0, s1))
-        m, alpha0 = _softmax(s0, m, a, p_bufs, v_bufs, k_base, v_rows, b0, q_pos, kv_len, window, qk_scale,
-                             BLOCK_N, STAGES, CAUSAL, v_layout)
-        m, alpha = _softmax(s1, m, a + 1, p_bufs, v_bufs, k_base, v_rows, b0, q_pos, kv_len, window, qk_scale,
-                            BLOCK_N, STAGES, CAUSAL, v_layout)
+        s0 = _masked(s0, a, k_base, b0, q_pos, kv_len, window, BLOCK_N, CAUSAL)
+        s1 = _masked(s1, a + 1, k_base, b0, q_pos, kv_len, window, BLOCK_N, CAUSAL)
+        mx0, mx1 = gl.split(gl.max(gl.join(s0, s1), 0))  # both blocks' column maxima in one exchange
+        mx0 = gl.convert_layout(mx0, gl.SliceLayout(0, mma))
+        mx1 = gl.convert_layout(mx1, gl.SliceLayout(0, mma))
+        m, alpha0, p0 = _lazy(s0, mx0, m, qk_scale)
+        m, alpha, p1 = _lazy(s1, mx1, m, qk_scale)
+        p_bufs.index(a % P_SLOTS).store(p0)
+        p_bufs.index((a + 1) % P_SLOTS).store(p1)
+        _zero_tail_v(a, v_bufs, v_rows, b0, kv_len, BLOCK_N, STAGES, v_layout)
+        _zero_tail_v(a + 1, v_bufs, v_rows, b0, kv_len, BLOCK_N, STAGES, v_layout)
+        fence_async_shared()
         acc, l_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_t))
         acc, l_t = _rescale(acc, l_t, alpha0)
         for u in gl.static_range(2):  # blocks a - 2 and a - 1 are done: their slots take blocks STAGES on
