@@ -121,9 +121,9 @@ def _softmax(s, m, t, p_bufs, v_bufs, k_base, v_rows, b0, q_pos, kv_len, window,
 
 
 @gluon.jit
-def _scores(k_bufs, q_t, s_zero, t):
+def _scores(k_bufs, q_t, s_zero, t, STAGES: gl.constexpr):
     """Block t's k·qᵀ (its K/V landed: _arrived)."""
-    return warpgroup_mma(k_bufs.index(t % k_bufs.shape[0]), q_t, s_zero, use_acc=False, is_async=True)
+    return warpgroup_mma(k_bufs.index(t % STAGES), q_t, s_zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -168,14 +168,14 @@ def _walk(desc_k, desc_v, q_smem, k_bufs, v_bufs, p_bufs, ready, m, l_t, acc, b0
     # blocks 0 and 1's softmaxes; acc and l stay 0 (a fresh state's rescale by alpha_0 is exact: 0 · finite)
     for t in range(0, gl.minimum(n, 2)):
         _arrived(ready, t, STAGES)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(k_bufs, q_t, s_zero, t), ))
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(k_bufs, q_t, s_zero, t, STAGES), ))
         m, alpha = _softmax(s, m, t, p_bufs, v_bufs, k_base, v_rows, b0, q_pos, kv_len, window, qk_scale, BLOCK_N,
                             STAGES, CAUSAL, v_layout)
     rest = gl.maximum(n - 2, 0)
     for a in range(2, 2 + rest % 2):  # one block alone, so that pairs take the rest
         _arrived(ready, a, STAGES)
         acc, l_t = _products(v_bufs, p_bufs, ones, acc, l_t, a - 2, STAGES)
-        s = _scores(k_bufs, q_t, s_zero, a)
+        s = _scores(k_bufs, q_t, s_zero, a, STAGES)
         acc, l_t = warpgroup_mma_wait(num_outstanding=1, deps=(acc, l_t))
         acc, l_t = _rescale(acc, l_t, alpha)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
@@ -187,8 +187,8 @@ def _walk(desc_k, desc_v, q_smem, k_bufs, v_bufs, p_bufs, ready, m, l_t, acc, b0
         _arrived(ready, a, STAGES)
         _arrived(ready, a + 1, STAGES)
         acc, l_t = _products(v_bufs, p_bufs, ones, acc, l_t, a - 2, STAGES)
-        s0 = _scores(k_bufs, q_t, s_zero, a)
-        s1 = _scores(k_bufs, q_t, s_zero, a + 1)
+        s0 = _scores(k_bufs, q_t, s_zero, a, STAGES)
+        s1 = _scores(k_bufs, q_t, s_zero, a + 1, STAGES)
         acc, l_t = warpgroup_mma_wait(num_outstanding=2, deps=(acc, l_t))
         acc, l_t = _rescale(acc, l_t, alpha)
         acc, l_t = _products(v_bufs, p_bufs, ones, acc, l_t, a - 1, STAGES)
@@ -270,7 +270,7 @@ def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
     head = kv_head * group + cols // q_per_head
     col_ok = (cols < group * q_per_head) & (q_idx < q_count)
     q_pos = q_pos0 + q_idx
-    lo_b, mid_b, hi_b = _tile_blocks(q_pos0, 0, q_count, kv_len, window, CAUSAL, QN, BLOCK_N)
+    lo_b, _, hi_b = _tile_blocks(q_pos0, 0, q_count, kv_len, window, CAUSAL, QN, BLOCK_N)
     b0 = lo_b
     b1 = hi_b
     if PARTIAL:  # this split's blocks only
