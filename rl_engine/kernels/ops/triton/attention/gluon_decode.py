@@ -7,14 +7,14 @@ keys are the tensor cores' M side (M is 64 at least, N goes down to 8) and the q
 
     sᵀ = k·qᵀ [64, QN],   accᵀ = vᵀ·p̃ᵀ + accᵀ [D, QN],   lᵀ = 1·p̃ᵀ + lᵀ [64, QN]
 
-One warpgroup walks a split, two blocks a loop trip (`_walk`): blocks a and a+1's k·qᵀ are issued with block a-2's
-products; acc and l are rescaled by alpha_{a-1} and block a-1's products run while the two blocks' softmaxes do (two
-independent chains for a scheduler that has one warp; p̃ goes to shared memory, the B operand); then the rescale by
-alpha_a. Both blocks' column maxima are one reduction (a joined [64, QN, 2] tile: one cross-warp exchange, one pair of
-CTA barriers for two blocks, 1.07-1.11x at batch 1, docs/evidence/h200_probe_decode_joint_max.log). Every loop waits
-for the products it issues: with products in flight across a loop's back edge (or out of a
-branch) ptxas serialised every wgmma (C7514/C7515), and the first form was 1.37x slower than flash.py's
-(docs/evidence/h200_probe_decode_gluon.log). K/V blocks stream in by TMA, STAGES deep. A program may take a part of
+A split is walked by three partitions (`gl.warp_specialize`): a load warp streams K/V blocks by TMA into a
+STAGES-deep ring; a softmax warpgroup computes block t's k·qᵀ, mask, column maxima and lazy max, and leaves p̃ (the
+products' B operand) and alpha in ring slot t % STAGES; the accumulator warpgroup holds accᵀ and lᵀ, and its chain per
+block is only the rescale by alpha_t and the two products, waited for before it releases the slot (K, V, p̃ and alpha
+at once). At batch 1 that chain is the step: the softmax of later blocks now runs beside it (1.05-1.10x the serial
+walk at batch 1 x 1k-8k, the same at batch >= 4, same bits in 14 cases: docs/evidence/h200_probe_decode_ws.log).
+Every loop waits for the products it issues: with products in flight across a loop's back edge (or out of a branch)
+ptxas serialised every wgmma (C7514/C7515; docs/evidence/h200_probe_decode_gluon.log). A program may take a part of
 the head dim (D_PARTS: accᵀ's rows are independent), so a batch-1 step has 16-64 programs instead of 8-32. A KV-cache
 step reads its lengths in the kernel (`gluon_decode_cache`), which saves kv_cache_attention's table launch.
 
@@ -25,8 +25,8 @@ gluon_forward.py), masks by `where` (applied to every block: a fully visible blo
 kv_len zeroed. The H200 gives flash.py's bits (a wgmma's sum for one element does not depend on which operand is which,
 nor on N or M): 0 tokens differ in the probe above and in the gpu tests (test_attention_consistency).
 
-H200 (torch 2.11, Triton 3.6; CUDA graphs, 32/8 heads x 128), one block a trip: batch 1 x 1k / 8k 13.1-13.7 /
-25.5-26.2 us against flash.py's 16.1 / 27.5 (SDPA 6.5 / 11.1), batch 64 x 8k 486-498 vs 535 us (SDPA 482-484).
+H200 (torch 2.11, Triton 3.6; CUDA graphs, 32/8 heads x 128): batch 1 x 1k / 2k / 8k 11.9 / 20.4 / 23.1 us (SDPA
+6.5 / 7.3 / 11.1), batch 64 x 8k 484 us (SDPA 472).
 """
 
 from __future__ import annotations
@@ -59,8 +59,7 @@ from rl_engine.kernels.ops.triton.attention.gluon_forward import (
 QN = 16  # query columns of a program: group · queries <= 16 (decode, and a few queries per step at group <= 4)
 L_ROWS = 64  # lᵀ's rows: the ones operand at the tensor cores' smallest M
 HEAD_DIMS = (64, 128)
-P_SLOTS = gl.constexpr(4)  # p̃ ring: blocks a - 1 (read by a product in flight), a, a + 1 written
-STAGES = 6  # K/V blocks in flight (>= 4: a loop trip holds two while it refills two): 192 KiB at head_dim 128
+STAGES = 6  # K/V blocks in flight, each with its p̃ and alpha: 192 KiB of K/V at head_dim 128
 PARTS = None  # override of head_dim_parts (probes)
 
 
@@ -108,19 +107,6 @@ def _zero_tail_v(t, v_bufs, v_rows, b0, kv_len, BLOCK_N: gl.constexpr, STAGES: g
 
 
 @gluon.jit
-def _softmax(s, m, t, p_bufs, v_bufs, k_base, v_rows, b0, q_pos, kv_len, window, qk_scale, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, CAUSAL: gl.constexpr, v_layout: gl.constexpr):
-    """Block b0 + t's softmax (flash.py's `_online_softmax_block` on the transposed tile): p̃ into p_bufs[t % P_SLOTS]
-    (no product in flight reads that slot), the block's V rows past kv_len zeroed; returns (m_new, alpha)."""
-    s = _masked(s, t, k_base, b0, q_pos, kv_len, window, BLOCK_N, CAUSAL)
-    m_new, alpha, p = _lazy(s, gl.max(s, 0), m, qk_scale)
-    p_bufs.index(t % P_SLOTS).store(p)
-    _zero_tail_v(t, v_bufs, v_rows, b0, kv_len, BLOCK_N, STAGES, v_layout)
-    fence_async_shared()
-    return m_new, alpha
-
-
-@gluon.jit
 def _scores(k_bufs, q_t, s_zero, t, STAGES: gl.constexpr):
     """Block t's k·qᵀ (its K/V landed: _arrived)."""
     return warpgroup_mma(k_bufs.index(t % STAGES), q_t, s_zero, use_acc=False, is_async=True)
@@ -132,89 +118,70 @@ def _arrived(ready, t, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _products(v_bufs, p_bufs, ones, acc, l_t, t, STAGES: gl.constexpr):
-    """Block t's products issued: accᵀ += vᵀ·p̃ᵀ, lᵀ += 1·p̃ᵀ."""
-    acc = warpgroup_mma(v_bufs.index(t % STAGES).permute((1, 0)), p_bufs.index(t % P_SLOTS), acc, is_async=True)
-    l_t = warpgroup_mma(ones, p_bufs.index(t % P_SLOTS), l_t, is_async=True)
-    return acc, l_t
-
-
-@gluon.jit
 def _rescale(acc, l_t, alpha):
     return acc * gl.expand_dims(alpha, 0), l_t * gl.expand_dims(alpha, 0)
 
 
 @gluon.jit
-def _walk(desc_k, desc_v, q_smem, k_bufs, v_bufs, p_bufs, ready, m, l_t, acc, b0, n, k_row0, k_col, v_col, q_pos,
-          kv_len, window, qk_scale, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-          mma: gl.constexpr):
-    """Blocks b0 … b0 + n - 1 (n >= 1) from a fresh state (m, 0, 0). Between loops the state is 'blocks x - 1 and x
-    pending': acc holds blocks <= x - 2 scaled by alpha_{x-1}, p̃_{x-1} and p̃_x sit in shared memory, alpha_x is
-    held. A loop trip takes two blocks a, a + 1 = x + 1, x + 2: their k·qᵀ issued with block a - 2's products, then
-    acc *= alpha_{a-1}, block a - 1's products run while the two blocks' softmaxes do (two independent chains for
-    the scheduler), then acc *= alpha_a. Each block's operations are flash.py's in its order (acc + p̃·v, then
-    acc·alpha). Every loop waits for every product it issues: ptxas serialises every wgmma of a kernel whose
-    products are in flight across a loop's back edge or a branch."""
-    ones = gl.full([l_t.shape[0], BLOCK_N], 1.0, gl.bfloat16, gl.DotOperandLayout(operand_index=0, parent=mma,
-                                                                                  k_width=2))
-    s_zero = gl.zeros([BLOCK_N, acc.shape[1]], gl.float32, mma)
-    k_base = gl.arange(0, BLOCK_N, gl.SliceLayout(1, mma))
+def _loader(desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, b0, n, k_row0, k_col, v_col,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: block t's K and V into ring slot t % STAGES once the accumulator released its previous block."""
+    for t in range(n):
+        slot = t % STAGES
+        mbarrier.wait(kv_empty.index(slot), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+        _load(desc_k, desc_v, k_bufs, v_bufs, kv_ready, t, b0, k_row0, k_col, v_col, BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _softmax(q_smem, k_bufs, v_bufs, p_bufs, a_bufs, m_smem, kv_ready, p_ready, m_done, b0, n, q_pos0,
+                q_per_head, kv_len, window, qk_scale, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QN: gl.constexpr,
+                CAUSAL: gl.constexpr):
+    """A warpgroup that runs ahead of the accumulator: block t's k·qᵀ, masked scores, column maxima, the lazy max, p̃
+    and alpha into slot t % STAGES (the block's V rows past kv_len zeroed), then the walk's m. The slot is free: its
+    K/V block landed, so the accumulator released the block STAGES before, the last reader of that p̃."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, QN, 16])
+    col_l: gl.constexpr = gl.SliceLayout(0, mma)
     v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     v_rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, v_layout))
+    k_base = gl.arange(0, BLOCK_N, gl.SliceLayout(1, mma))
+    q_pos = q_pos0 + gl.arange(0, QN, col_l) % q_per_head
+    s_zero = gl.zeros([BLOCK_N, QN], gl.float32, mma)
     q_t = q_smem.permute((1, 0))
-    for t in range(0, gl.minimum(n, STAGES)):
-        _load(desc_k, desc_v, k_bufs, v_bufs, ready, t, b0, k_row0, k_col, v_col, BLOCK_N, STAGES)
-    alpha = gl.full_like(m, 1.0)
-    # blocks 0 and 1's softmaxes; acc and l stay 0 (a fresh state's rescale by alpha_0 is exact: 0 · finite)
-    for t in range(0, gl.minimum(n, 2)):
-        _arrived(ready, t, STAGES)
+    m = gl.full([QN], M_INIT, gl.float32, col_l)
+    for t in range(n):
+        _arrived(kv_ready, t, STAGES)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(k_bufs, q_t, s_zero, t, STAGES), ))
-        m, alpha = _softmax(s, m, t, p_bufs, v_bufs, k_base, v_rows, b0, q_pos, kv_len, window, qk_scale, BLOCK_N,
-                            STAGES, CAUSAL, v_layout)
-    rest = gl.maximum(n - 2, 0)
-    for a in range(2, 2 + rest % 2):  # one block alone, so that pairs take the rest
-        _arrived(ready, a, STAGES)
-        acc, l_t = _products(v_bufs, p_bufs, ones, acc, l_t, a - 2, STAGES)
-        s = _scores(k_bufs, q_t, s_zero, a, STAGES)
-        acc, l_t = warpgroup_mma_wait(num_outstanding=1, deps=(acc, l_t))
-        acc, l_t = _rescale(acc, l_t, alpha)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        m, alpha = _softmax(s, m, a, p_bufs, v_bufs, k_base, v_rows, b0, q_pos, kv_len, window, qk_scale, BLOCK_N,
-                            STAGES, CAUSAL, v_layout)
-        if a - 2 + STAGES < n:  # block a - 2 is done
-            _load(desc_k, desc_v, k_bufs, v_bufs, ready, a - 2 + STAGES, b0, k_row0, k_col, v_col, BLOCK_N, STAGES)
-    for a in range(2 + rest % 2, n, 2):
-        _arrived(ready, a, STAGES)
-        _arrived(ready, a + 1, STAGES)
-        acc, l_t = _products(v_bufs, p_bufs, ones, acc, l_t, a - 2, STAGES)
-        s0 = _scores(k_bufs, q_t, s_zero, a, STAGES)
-        s1 = _scores(k_bufs, q_t, s_zero, a + 1, STAGES)
-        acc, l_t = warpgroup_mma_wait(num_outstanding=2, deps=(acc, l_t))
-        acc, l_t = _rescale(acc, l_t, alpha)
-        acc, l_t = _products(v_bufs, p_bufs, ones, acc, l_t, a - 1, STAGES)
-        s0, s1 = warpgroup_mma_wait(num_outstanding=2, deps=(s0, s1))
-        s0 = _masked(s0, a, k_base, b0, q_pos, kv_len, window, BLOCK_N, CAUSAL)
-        s1 = _masked(s1, a + 1, k_base, b0, q_pos, kv_len, window, BLOCK_N, CAUSAL)
-        mx0, mx1 = gl.split(gl.max(gl.join(s0, s1), 0))  # both blocks' column maxima in one exchange
-        mx0 = gl.convert_layout(mx0, gl.SliceLayout(0, mma))
-        mx1 = gl.convert_layout(mx1, gl.SliceLayout(0, mma))
-        m, alpha0, p0 = _lazy(s0, mx0, m, qk_scale)
-        m, alpha, p1 = _lazy(s1, mx1, m, qk_scale)
-        p_bufs.index(a % P_SLOTS).store(p0)
-        p_bufs.index((a + 1) % P_SLOTS).store(p1)
-        _zero_tail_v(a, v_bufs, v_rows, b0, kv_len, BLOCK_N, STAGES, v_layout)
-        _zero_tail_v(a + 1, v_bufs, v_rows, b0, kv_len, BLOCK_N, STAGES, v_layout)
+        s = _masked(s, t, k_base, b0, q_pos, kv_len, window, BLOCK_N, CAUSAL)
+        m, alpha, p = _lazy(s, gl.max(s, 0), m, qk_scale)
+        slot = t % STAGES
+        p_bufs.index(slot).store(p)
+        a_bufs.index(slot).store(alpha)
+        _zero_tail_v(t, v_bufs, v_rows, b0, kv_len, BLOCK_N, STAGES, v_layout)
         fence_async_shared()
+        mbarrier.arrive(p_ready.index(slot), count=1)
+    m_smem.store(m)
+    mbarrier.arrive(m_done, count=1)
+
+
+@gluon.jit
+def _accumulate(v_bufs, p_bufs, a_bufs, m_smem, kv_empty, p_ready, m_done, m, l_t, acc, n, STAGES: gl.constexpr):
+    """The walk's serial chain, flash.py's order per block: acc and l times alpha_t, then block t's products
+    (acc + p̃·v), waited for before the slots go back. Returns (m, l_t, acc)."""
+    mma: gl.constexpr = acc.type.layout
+    col_l: gl.constexpr = gl.SliceLayout(0, mma)
+    ones = gl.full([l_t.shape[0], p_bufs.shape[1]], 1.0, gl.bfloat16,
+                   gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2))
+    for t in range(n):
+        slot = t % STAGES
+        mbarrier.wait(p_ready.index(slot), (t // STAGES) & 1)
+        acc, l_t = _rescale(acc, l_t, a_bufs.index(slot).load(col_l))
+        acc = warpgroup_mma(v_bufs.index(slot).permute((1, 0)), p_bufs.index(slot), acc, is_async=True)
+        l_t = warpgroup_mma(ones, p_bufs.index(slot), l_t, is_async=True)
         acc, l_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_t))
-        acc, l_t = _rescale(acc, l_t, alpha0)
-        for u in gl.static_range(2):  # blocks a - 2 and a - 1 are done: their slots take blocks STAGES on
-            if a - 2 + u + STAGES < n:
-                _load(desc_k, desc_v, k_bufs, v_bufs, ready, a - 2 + u + STAGES, b0, k_row0, k_col, v_col, BLOCK_N,
-                      STAGES)
-    for t in range(gl.maximum(n - 2, 0), n):  # the pending products; the last block's take no alpha (x · 1 = x)
-        acc, l_t = _products(v_bufs, p_bufs, ones, acc, l_t, t, STAGES)
-        acc, l_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_t))
-        acc, l_t = _rescale(acc, l_t, gl.where(t + 1 < n, alpha, 1.0))
+        mbarrier.arrive(kv_empty.index(slot), count=1)  # K, V, p̃ and alpha of block t
+    if n > 0:
+        mbarrier.wait(m_done, 0)
+        m = m_smem.load(col_l)
     return m, l_t, acc
 
 
@@ -225,7 +192,7 @@ def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
                         qk_scale, group, q_per_head, cache_rows,
                         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, D_PARTS: gl.constexpr, QN: gl.constexpr,
                         L_M: gl.constexpr, STAGES: gl.constexpr, KV_SPLIT: gl.constexpr, PARTIAL: gl.constexpr,
-                        CAUSAL: gl.constexpr, FROM_LENGTHS: gl.constexpr):
+                        CAUSAL: gl.constexpr, FROM_LENGTHS: gl.constexpr, ACC_REGS: gl.constexpr = 96):
     # Program (split, KV head · D_PARTS + part, sequence). Column c holds query c % q_per_head of the group's head
     # c // q_per_head. PARTIAL: the split's state for flash.py's combine kernel; otherwise the keys fit one split
     # and the program writes the output.
@@ -258,18 +225,26 @@ def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
                                        gl.NVMMASharedLayout.get_default_for([QN, HEAD_DIM], gl.bfloat16), q)
     k_bufs = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
     v_bufs = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
-    p_bufs = gl.allocate_shared_memory(gl.bfloat16, [P_SLOTS, BLOCK_N, QN],
+    # block t's p̃ and alpha share its K/V ring slot t % STAGES and are released with it (kv_empty)
+    p_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, QN],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, QN], gl.bfloat16))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
+    a_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, QN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    m_smem = gl.allocate_shared_memory(gl.float32, [QN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    m_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=1)
+        mbarrier.init(p_ready.index(i), count=1)
+    mbarrier.init(m_done, count=1)
     fence_async_shared()  # q for the wgmma, the barriers for the copy engine
 
     cols = gl.arange(0, QN, col_l)
     q_idx = cols % q_per_head
     head = kv_head * group + cols // q_per_head
     col_ok = (cols < group * q_per_head) & (q_idx < q_count)
-    q_pos = q_pos0 + q_idx
     lo_b, _, hi_b = _tile_blocks(q_pos0, 0, q_count, kv_len, window, CAUSAL, QN, BLOCK_N)
     b0 = lo_b
     b1 = hi_b
@@ -281,10 +256,13 @@ def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
     m = gl.full([QN], M_INIT, gl.float32, col_l)
     l_t = gl.zeros([L_M, QN], gl.float32, mma)
     acc = gl.zeros([DV, QN], gl.float32, mma)
-    if n > 0:
-        m, l_t, acc = _walk(desc_k, desc_v, q_smem, k_bufs, v_bufs, p_bufs, ready, m, l_t, acc, b0, n, k_row0,
-                            kv_head * HEAD_DIM, kv_head * HEAD_DIM + part * DV, q_pos, kv_len, window, qk_scale,
-                            BLOCK_N, STAGES, CAUSAL, mma)
+    m, l_t, acc = gl.warp_specialize([
+        (_accumulate, (v_bufs, p_bufs, a_bufs, m_smem, kv_empty, p_ready, m_done, m, l_t, acc, n, STAGES)),
+        (_softmax, (q_smem, k_bufs, v_bufs, p_bufs, a_bufs, m_smem, kv_ready, p_ready, m_done, b0, n, q_pos0,
+                    q_per_head, kv_len, window, qk_scale, BLOCK_N, STAGES, QN, CAUSAL)),
+        (_loader, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, b0, n, k_row0, kv_head * HEAD_DIM,
+                   kv_head * HEAD_DIM + part * DV, BLOCK_N, STAGES)),
+    ], [4, 1], [ACC_REGS, 24])
     l = gl.max(l_t, 0)  # lᵀ's rows are equal (flash._l_rows)
     dv = part * DV + gl.arange(0, DV, row_l)
     r64 = (q_row0 + q_idx).to(gl.int64)
