@@ -7,12 +7,15 @@ keys are the tensor cores' M side (M is 64 at least, N goes down to 8) and the q
 
     sᵀ = k·qᵀ [64, QN],   accᵀ = vᵀ·p̃ᵀ + accᵀ [D, QN],   lᵀ = 1·p̃ᵀ + lᵀ [64, QN]
 
-A split is walked by three partitions (`gl.warp_specialize`): a load warp streams K/V blocks by TMA into a
-STAGES-deep ring; a softmax warpgroup computes block t's k·qᵀ, mask, column maxima and lazy max, and leaves p̃ (the
-products' B operand) and alpha in ring slot t % STAGES; the accumulator warpgroup holds accᵀ and lᵀ, and its chain per
-block is only the rescale by alpha_t and the two products, waited for before it releases the slot (K, V, p̃ and alpha
-at once). At batch 1 that chain is the step: the softmax of later blocks now runs beside it (1.05-1.10x the serial
-walk at batch 1 x 1k-8k, the same at batch >= 4, same bits in 14 cases: docs/evidence/h200_probe_decode_ws.log).
+A split is walked by five partitions (`gl.warp_specialize`): a load warp streams K/V blocks by TMA into a
+STAGES-deep ring; three softmax warpgroups take every third block: each computes its block's k·qᵀ, mask and column
+maxima while the others do theirs, then takes block t - 1's m from shared memory, publishes block t's (the lazy max
+chains blocks only through m), and leaves p̃ (the products' B operand) and alpha in ring slot t % STAGES; the
+accumulator warpgroup holds accᵀ and lᵀ, and its chain per block is only the rescale by alpha_t and the two products,
+waited for before it releases the slot (K, V, p̃ and alpha at once). At batch 1 the softmax's chain, its cross-warp
+column max the largest part, was the step (docs/evidence/h200_probe_decode_floor.log): one softmax warpgroup ran
+1.05-1.10x the serial walk (h200_probe_decode_ws.log), two 1.22-1.30x the one (h200_probe_decode_two_softmax.log),
+three 1.06-1.09x the two (h200_probe_decode_three_softmax.log), same bits in 14 cases each.
 Every loop waits for the products it issues: with products in flight across a loop's back edge (or out of a branch)
 ptxas serialised every wgmma (C7514/C7515; docs/evidence/h200_probe_decode_gluon.log). A program may take a part of
 the head dim (D_PARTS: accᵀ's rows are independent), so a batch-1 step has 16-64 programs instead of 8-32. A KV-cache
@@ -25,8 +28,8 @@ gluon_forward.py), masks by `where` (applied to every block: a fully visible blo
 kv_len zeroed. The H200 gives flash.py's bits (a wgmma's sum for one element does not depend on which operand is which,
 nor on N or M): 0 tokens differ in the probe above and in the gpu tests (test_attention_consistency).
 
-H200 (torch 2.11, Triton 3.6; CUDA graphs, 32/8 heads x 128): batch 1 x 1k / 2k / 8k 11.9 / 20.4 / 23.1 us (SDPA
-6.5 / 7.3 / 11.1), batch 64 x 8k 484 us (SDPA 472).
+H200 (torch 2.11, Triton 3.6; CUDA graphs, 32/8 heads x 128): batch 1 x 1k / 2k / 8k 9.2 / 14.5 / 17.1 us (SDPA
+6.5 / 7.2 / 11.0), batch 16 x 8k 133 us (SDPA 122).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ L_ROWS = 64  # lᵀ's rows: the ones operand at the tensor cores' smallest M
 HEAD_DIMS = (64, 128)
 STAGES = 6  # K/V blocks in flight, each with its p̃ and alpha: 192 KiB of K/V at head_dim 128
 PARTS = None  # override of head_dim_parts (probes)
+SOFTMAX_GROUPS = gl.constexpr(3)  # softmax warpgroups, each taking every third block: the kernel's partitions
 
 
 @gluon.jit
@@ -124,7 +128,7 @@ def _rescale(acc, l_t, alpha):
 
 @gluon.jit
 def _loader(desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, b0, n, k_row0, k_col, v_col,
-               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """One warp: block t's K and V into ring slot t % STAGES once the accumulator released its previous block."""
     for t in range(n):
         slot = t % STAGES
@@ -133,12 +137,14 @@ def _loader(desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, b0, n, k_row0, k
 
 
 @gluon.jit
-def _softmax(q_smem, k_bufs, v_bufs, p_bufs, a_bufs, m_smem, kv_ready, p_ready, m_done, b0, n, q_pos0,
-                q_per_head, kv_len, window, qk_scale, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QN: gl.constexpr,
-                CAUSAL: gl.constexpr):
-    """A warpgroup that runs ahead of the accumulator: block t's k·qᵀ, masked scores, column maxima, the lazy max, p̃
-    and alpha into slot t % STAGES (the block's V rows past kv_len zeroed), then the walk's m. The slot is free: its
-    K/V block landed, so the accumulator released the block STAGES before, the last reader of that p̃."""
+def _softmax(q_smem, k_bufs, v_bufs, p_bufs, a_bufs, m_smem, kv_ready, p_ready, m_ready, b0, n, q_pos0,
+             q_per_head, kv_len, window, qk_scale, FIRST: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             QN: gl.constexpr, CAUSAL: gl.constexpr):
+    """One of SOFTMAX_GROUPS warpgroups that run ahead of the accumulator, on blocks FIRST, FIRST + SOFTMAX_GROUPS, …:
+    block t's k·qᵀ, masked scores and column maxima; block t - 1's m from m_smem slot t % 2 (another warpgroup's),
+    block t's lazy max into slot (t + 1) % 2 (free: block t - 1's warpgroup read it before publishing the m this one
+    waited for); p̃ and alpha into ring slot t % STAGES (the block's V rows past kv_len zeroed). The ring slot is free:
+    its K/V block landed, so the accumulator released the block STAGES before, the last reader of that p̃."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, QN, 16])
     col_l: gl.constexpr = gl.SliceLayout(0, mma)
     v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -147,24 +153,25 @@ def _softmax(q_smem, k_bufs, v_bufs, p_bufs, a_bufs, m_smem, kv_ready, p_ready, 
     q_pos = q_pos0 + gl.arange(0, QN, col_l) % q_per_head
     s_zero = gl.zeros([BLOCK_N, QN], gl.float32, mma)
     q_t = q_smem.permute((1, 0))
-    m = gl.full([QN], M_INIT, gl.float32, col_l)
-    for t in range(n):
+    for t in range(FIRST, n, SOFTMAX_GROUPS):
         _arrived(kv_ready, t, STAGES)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(k_bufs, q_t, s_zero, t, STAGES), ))
         s = _masked(s, t, k_base, b0, q_pos, kv_len, window, BLOCK_N, CAUSAL)
-        m, alpha, p = _lazy(s, gl.max(s, 0), m, qk_scale)
+        s_max = gl.max(s, 0)
+        mbarrier.wait(m_ready.index(t % 2), (t // 2) & 1)  # block t - 1's m, from the other warpgroup
+        m, alpha, p = _lazy(s, s_max, m_smem.index(t % 2).load(col_l), qk_scale)
+        m_smem.index((t + 1) % 2).store(m)
+        mbarrier.arrive(m_ready.index((t + 1) % 2), count=1)
         slot = t % STAGES
         p_bufs.index(slot).store(p)
         a_bufs.index(slot).store(alpha)
         _zero_tail_v(t, v_bufs, v_rows, b0, kv_len, BLOCK_N, STAGES, v_layout)
         fence_async_shared()
         mbarrier.arrive(p_ready.index(slot), count=1)
-    m_smem.store(m)
-    mbarrier.arrive(m_done, count=1)
 
 
 @gluon.jit
-def _accumulate(v_bufs, p_bufs, a_bufs, m_smem, kv_empty, p_ready, m_done, m, l_t, acc, n, STAGES: gl.constexpr):
+def _accumulate(v_bufs, p_bufs, a_bufs, m_smem, kv_empty, p_ready, m_ready, l_t, acc, n, STAGES: gl.constexpr):
     """The walk's serial chain, flash.py's order per block: acc and l times alpha_t, then block t's products
     (acc + p̃·v), waited for before the slots go back. Returns (m, l_t, acc)."""
     mma: gl.constexpr = acc.type.layout
@@ -179,10 +186,8 @@ def _accumulate(v_bufs, p_bufs, a_bufs, m_smem, kv_empty, p_ready, m_done, m, l_
         l_t = warpgroup_mma(ones, p_bufs.index(slot), l_t, is_async=True)
         acc, l_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_t))
         mbarrier.arrive(kv_empty.index(slot), count=1)  # K, V, p̃ and alpha of block t
-    if n > 0:
-        mbarrier.wait(m_done, 0)
-        m = m_smem.load(col_l)
-    return m, l_t, acc
+    mbarrier.wait(m_ready.index(n % 2), (n // 2) & 1)  # the last block's m (M_INIT when there are none)
+    return m_smem.index(n % 2).load(col_l), l_t, acc
 
 
 @gluon.jit
@@ -192,7 +197,7 @@ def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
                         qk_scale, group, q_per_head, cache_rows,
                         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, D_PARTS: gl.constexpr, QN: gl.constexpr,
                         L_M: gl.constexpr, STAGES: gl.constexpr, KV_SPLIT: gl.constexpr, PARTIAL: gl.constexpr,
-                        CAUSAL: gl.constexpr, FROM_LENGTHS: gl.constexpr, ACC_REGS: gl.constexpr = 96):
+                        CAUSAL: gl.constexpr, FROM_LENGTHS: gl.constexpr, SOFTMAX_REGS: gl.constexpr = 96):
     # Program (split, KV head · D_PARTS + part, sequence). Column c holds query c % q_per_head of the group's head
     # c // q_per_head. PARTIAL: the split's state for flash.py's combine kernel; otherwise the keys fit one split
     # and the program writes the output.
@@ -229,16 +234,18 @@ def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
     p_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, QN],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, QN], gl.bfloat16))
     a_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, QN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    m_smem = gl.allocate_shared_memory(gl.float32, [QN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    # block t - 1's m in slot t % 2, for block t's softmax (M_INIT for block 0)
+    m_smem = gl.allocate_shared_memory(gl.float32, [2, QN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    m_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    m_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=1)
         mbarrier.init(p_ready.index(i), count=1)
-    mbarrier.init(m_done, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(m_ready.index(i), count=1)
     fence_async_shared()  # q for the wgmma, the barriers for the copy engine
 
     cols = gl.arange(0, QN, col_l)
@@ -253,16 +260,21 @@ def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
         b1 = gl.minimum(hi_b, (split + 1) * (KV_SPLIT // BLOCK_N))
     n = gl.maximum(b1 - b0, 0)
 
-    m = gl.full([QN], M_INIT, gl.float32, col_l)
+    m_smem.index(0).store(gl.full([QN], M_INIT, gl.float32, col_l))
+    mbarrier.arrive(m_ready.index(0), count=1)
     l_t = gl.zeros([L_M, QN], gl.float32, mma)
     acc = gl.zeros([DV, QN], gl.float32, mma)
     m, l_t, acc = gl.warp_specialize([
-        (_accumulate, (v_bufs, p_bufs, a_bufs, m_smem, kv_empty, p_ready, m_done, m, l_t, acc, n, STAGES)),
-        (_softmax, (q_smem, k_bufs, v_bufs, p_bufs, a_bufs, m_smem, kv_ready, p_ready, m_done, b0, n, q_pos0,
-                    q_per_head, kv_len, window, qk_scale, BLOCK_N, STAGES, QN, CAUSAL)),
+        (_accumulate, (v_bufs, p_bufs, a_bufs, m_smem, kv_empty, p_ready, m_ready, l_t, acc, n, STAGES)),
+        (_softmax, (q_smem, k_bufs, v_bufs, p_bufs, a_bufs, m_smem, kv_ready, p_ready, m_ready, b0, n, q_pos0,
+                    q_per_head, kv_len, window, qk_scale, 0, BLOCK_N, STAGES, QN, CAUSAL)),
+        (_softmax, (q_smem, k_bufs, v_bufs, p_bufs, a_bufs, m_smem, kv_ready, p_ready, m_ready, b0, n, q_pos0,
+                    q_per_head, kv_len, window, qk_scale, 1, BLOCK_N, STAGES, QN, CAUSAL)),
+        (_softmax, (q_smem, k_bufs, v_bufs, p_bufs, a_bufs, m_smem, kv_ready, p_ready, m_ready, b0, n, q_pos0,
+                    q_per_head, kv_len, window, qk_scale, 2, BLOCK_N, STAGES, QN, CAUSAL)),
         (_loader, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, b0, n, k_row0, kv_head * HEAD_DIM,
                    kv_head * HEAD_DIM + part * DV, BLOCK_N, STAGES)),
-    ], [4, 1], [ACC_REGS, 24])
+    ], [4, 4, 4, 1], [SOFTMAX_REGS, SOFTMAX_REGS, SOFTMAX_REGS, 24])
     l = gl.max(l_t, 0)  # lᵀ's rows are equal (flash._l_rows)
     dv = part * DV + gl.arange(0, DV, row_l)
     r64 = (q_row0 + q_idx).to(gl.int64)
