@@ -65,6 +65,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from rl_engine.kernels.ops.triton.runtime import (
     SideStream,
@@ -451,10 +452,14 @@ def _flash_forward_kernel(
 def _split_combine_kernel(
     PM, PL, PACC, O, LSE, num_splits, n_rows, hq, head_dim,
     stride_ps, stride_pr, stride_ph, stride_as, stride_ar, stride_ah, stride_or, stride_oh, stride_lr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, AFTER_PDL: tl.constexpr = False,
 ):
     # Folds the splits' states of BLOCK_R (row, head) pairs left to right, exactly as the forward
     # kernel folds them in a program that walks every split, then normalises as it does.
+    # AFTER_PDL: launched while the split kernel still runs (programmatic dependent launch), so it first
+    # waits for that kernel to finish and its writes to land.
+    if AFTER_PDL:
+        gdc_wait()
     pair = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = pair < n_rows * hq
     r64 = (pair // hq).to(tl.int64)

@@ -127,10 +127,11 @@ def _rescale(acc, l_t, alpha):
 
 
 @gluon.jit
-def _loader(desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, b0, n, k_row0, k_col, v_col,
+def _loader(desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, b0, first, n, k_row0, k_col, v_col,
             BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: block t's K and V into ring slot t % STAGES once the accumulator released its previous block."""
-    for t in range(n):
+    """One warp: block t >= first's K and V into ring slot t % STAGES once the accumulator released its previous
+    block."""
+    for t in range(first, n):
         slot = t % STAGES
         mbarrier.wait(kv_empty.index(slot), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
         _load(desc_k, desc_v, k_bufs, v_bufs, kv_ready, t, b0, k_row0, k_col, v_col, BLOCK_N, STAGES)
@@ -191,6 +192,12 @@ def _accumulate(v_bufs, p_bufs, a_bufs, m_smem, kv_empty, p_ready, m_ready, l_t,
 
 
 @gluon.jit
+def _launch_dependents():
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
 def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
                         stride_qr, stride_qh, stride_or, stride_oh, stride_lr,
                         stride_ps, stride_pr, stride_ph, stride_as, stride_ar, stride_ah,
@@ -205,6 +212,7 @@ def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, QN, 16])
     row_l: gl.constexpr = gl.SliceLayout(1, mma)
     col_l: gl.constexpr = gl.SliceLayout(0, mma)
+    _launch_dependents()  # the combine kernel's programs start now and wait for this grid's end (PDL)
     split = gl.program_id(0)
     kv_head = gl.program_id(1) // D_PARTS
     part = gl.program_id(1) % D_PARTS
@@ -218,16 +226,15 @@ def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
         window = _NO_WINDOW
     else:
         q_row0, q_count, q_pos0, k_row0, kv_len, window = _sequence(SEQ_INFO)
-
-    # the group's queries [QN, HEAD_DIM] into shared memory (q·kᵀ's B operand, transposed)
+    # the group's queries [QN, HEAD_DIM] (q·kᵀ's B operand, transposed), read while the first
+    # K/V blocks are requested below: the two memory latencies overlap
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     c_q = gl.arange(0, QN, gl.SliceLayout(1, q_layout))
     ok_q = (c_q < group * q_per_head) & (c_q % q_per_head < q_count)
     q_off = (q_row0 + c_q % q_per_head).to(gl.int64) * stride_qr + (kv_head * group + c_q // q_per_head) * stride_qh
     q = gl.load(Q + gl.expand_dims(q_off, 1) + gl.expand_dims(gl.arange(0, HEAD_DIM, gl.SliceLayout(0, q_layout)), 0),
                 mask=gl.expand_dims(ok_q, 1), other=0.0)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [QN, HEAD_DIM],
-                                       gl.NVMMASharedLayout.get_default_for([QN, HEAD_DIM], gl.bfloat16), q)
+
     k_bufs = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
     v_bufs = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
     # block t's p̃ and alpha share its K/V ring slot t % STAGES and are released with it (kv_empty)
@@ -246,12 +253,8 @@ def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
         mbarrier.init(p_ready.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(m_ready.index(i), count=1)
-    fence_async_shared()  # q for the wgmma, the barriers for the copy engine
+    fence_async_shared()  # the barriers for the copy engine
 
-    cols = gl.arange(0, QN, col_l)
-    q_idx = cols % q_per_head
-    head = kv_head * group + cols // q_per_head
-    col_ok = (cols < group * q_per_head) & (q_idx < q_count)
     lo_b, _, hi_b = _tile_blocks(q_pos0, 0, q_count, kv_len, window, CAUSAL, QN, BLOCK_N)
     b0 = lo_b
     b1 = hi_b
@@ -259,6 +262,22 @@ def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
         b0 = gl.maximum(lo_b, split * (KV_SPLIT // BLOCK_N))
         b1 = gl.minimum(hi_b, (split + 1) * (KV_SPLIT // BLOCK_N))
     n = gl.maximum(b1 - b0, 0)
+    # the ring's first blocks (the load warp goes on from block `filled`)
+    k_col = kv_head * HEAD_DIM
+    v_col = k_col + part * DV
+    filled = gl.minimum(n, STAGES)
+    for t in gl.static_range(STAGES):
+        if t < filled:
+            _load(desc_k, desc_v, k_bufs, v_bufs, kv_ready, t, b0, k_row0, k_col, v_col, BLOCK_N, STAGES)
+
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [QN, HEAD_DIM],
+                                       gl.NVMMASharedLayout.get_default_for([QN, HEAD_DIM], gl.bfloat16), q)
+    fence_async_shared()  # q for the wgmma
+
+    cols = gl.arange(0, QN, col_l)
+    q_idx = cols % q_per_head
+    head = kv_head * group + cols // q_per_head
+    col_ok = (cols < group * q_per_head) & (q_idx < q_count)
 
     m_smem.index(0).store(gl.full([QN], M_INIT, gl.float32, col_l))
     mbarrier.arrive(m_ready.index(0), count=1)
@@ -272,8 +291,8 @@ def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
                     q_per_head, kv_len, window, qk_scale, 1, BLOCK_N, STAGES, QN, CAUSAL)),
         (_softmax, (q_smem, k_bufs, v_bufs, p_bufs, a_bufs, m_smem, kv_ready, p_ready, m_ready, b0, n, q_pos0,
                     q_per_head, kv_len, window, qk_scale, 2, BLOCK_N, STAGES, QN, CAUSAL)),
-        (_loader, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, b0, n, k_row0, kv_head * HEAD_DIM,
-                   kv_head * HEAD_DIM + part * DV, BLOCK_N, STAGES)),
+        (_loader, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, b0, filled, n, k_row0, k_col, v_col,
+                   BLOCK_N, STAGES)),
     ], [4, 4, 4, 1], [SOFTMAX_REGS, SOFTMAX_REGS, SOFTMAX_REGS, 24])
     l = gl.max(l_t, 0)  # lᵀ's rows are equal (flash._l_rows)
     dv = part * DV + gl.arange(0, DV, row_l)
@@ -368,7 +387,7 @@ def _launch(q, k, v, seq_info, num_sequences, max_q_count, max_kv_len, causal, s
     if partial:
         flash._split_combine_kernel[(triton.cdiv(rows * hq, COMBINE_BLOCK_R),)](
             pm, pl, pacc, out, lse, num_splits, rows, hq, d, *p_strides, *a_strides, out.stride(0), out.stride(1),
-            lse.stride(0), BLOCK_R=COMBINE_BLOCK_R, BLOCK_D=d)
+            lse.stride(0), BLOCK_R=COMBINE_BLOCK_R, BLOCK_D=d, AFTER_PDL=True, launch_pdl=True)
     return out, lse
 
 
