@@ -57,14 +57,15 @@ def _compile(fn, constants: dict, types, num_warps: int, num_stages: int):
 
 
 def compile_attention(kind: str, dtype: torch.dtype, head_dim: int, tile=None):
-    """The compiled kernel (triton.compile's result) of one attention kernel at its configured tiles."""
+    """The compiled kernel (triton.compile's result) of one attention kernel at its configured tiles; also
+    "combine_after_pdl", the combine as gluon_decode launches it (waiting for the decode grid)."""
     from rl_engine.kernels.ops.triton.attention import flash
 
     config = flash.attention_config(dtype, head_dim)
     padded = flash.block_d(head_dim)
     element = "*bf16" if dtype == torch.bfloat16 else "*fp32"
-    if kind == "combine":
-        constants = dict(BLOCK_R=flash.COMBINE_BLOCK_R, BLOCK_D=padded)
+    if kind in ("combine", "combine_after_pdl"):
+        constants = dict(BLOCK_R=flash.COMBINE_BLOCK_R, BLOCK_D=padded, AFTER_PDL=kind == "combine_after_pdl")
         return _compile(flash._split_combine_kernel, constants,
                         lambda n: element if n == "O" else "*fp32" if n.isupper() else "i32", 4, 1)
     fn, field = {"forward": (flash._flash_forward_kernel, "forward"),

@@ -99,29 +99,15 @@ def test_gpu_gives_the_bits_of_flash_tiles_and_of_the_prefill(monkeypatch, head_
 
 PDL = """
 import json
-from triton import compile as triton_compile
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, make_backend
-from triton.runtime.jit import MockTensor, create_function_from_signature
-from rl_engine.kernels.ops.triton.attention import flash
+import torch
 from rl_engine.kernels.ops.triton.attention.gluon_decode import compile_for_sm90
+from rl_engine.kernels.ops.triton.sm90 import compile_attention
 
 decode = compile_for_sm90(128, True, 2, True).asm["ptx"]
-kernel, target = flash._split_combine_kernel, GPUTarget("cuda", 90, 32)
-backend = make_backend(target)
-f32 = MockTensor("float32", [2, 32, 32])
-args = (f32, f32, MockTensor("float32", [2, 32, 32, 128]), MockTensor("bfloat16", [32, 32, 128]),
-        MockTensor("float32", [32, 32]), 2, 32, 32, 128, 1024, 32, 1, 131072, 4096, 128, 4096, 128, 32)
-bound, spec, options = create_function_from_signature(kernel.signature, kernel.params, backend)(
-    *args, BLOCK_R=16, BLOCK_D=128, AFTER_PDL=True, num_warps=4, launch_pdl=True)
-options, signature, constexprs, attrs = kernel._pack_args(backend, {"num_warps": 4, "launch_pdl": True}, bound, spec,
-                                                          options)
-combine = triton_compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
-ptx = combine.asm["ptx"]
+combine = compile_attention("combine_after_pdl", torch.bfloat16, 128).asm["ptx"]
 print(json.dumps({"trigger": decode.find("griddepcontrol.launch_dependents"), "first_tma": decode.find("cp.async.bulk"),
-                  "wait": ptx.find("griddepcontrol.wait"),
-                  "first_load": min(i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0),
-                  "launch_pdl": combine.metadata.launch_pdl}))
+                  "wait": combine.find("griddepcontrol.wait"),
+                  "first_load": min(i for i in (combine.find("ld.global"), combine.find("cp.async")) if i >= 0)}))
 """
 
 
@@ -152,5 +138,5 @@ def test_the_combine_launched_early_waits_for_the_decode_grid(monkeypatch):
     proc = subprocess.run([sys.executable, "-c", PDL], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert r["launch_pdl"] and 0 <= r["wait"] < r["first_load"], r
+    assert 0 <= r["wait"] < r["first_load"], r
     assert 0 <= r["trigger"] < r["first_tma"], r
