@@ -19,21 +19,22 @@ COMPILE = """
 import json, sys
 from rl_engine.kernels.ops.triton.attention.gluon_decode import compile_for_sm90
 from rl_engine.kernels.ops.triton.sm90 import ptxas_registers
-k = compile_for_sm90(int(sys.argv[1]), sys.argv[2] == "partial", int(sys.argv[3]), sys.argv[4] == "lengths")
+k = compile_for_sm90(int(sys.argv[1]), sys.argv[2] == "partial", int(sys.argv[3]), sys.argv[4] == "lengths",
+                     int(sys.argv[5]))
 ptx = k.asm["ptx"]
 print(json.dumps({"shared": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"), **ptxas_registers(ptx)}))
 """
 
 
-@pytest.mark.parametrize("head_dim, mode, parts, seq", [(128, "final", 2, "table"), (128, "partial", 1, "table"),
-                                                        (128, "partial", 2, "lengths"), (64, "final", 1, "lengths"),
-                                                        (64, "partial", 1, "table")])
-def test_compiles_for_the_h200_without_serialised_wgmma(head_dim, mode, parts, seq):
+@pytest.mark.parametrize("head_dim, mode, parts, seq, qn", [
+    (128, "final", 2, "table", 8), (128, "partial", 1, "table", 16), (128, "partial", 2, "lengths", 8),
+    (128, "partial", 2, "lengths", 16), (64, "final", 1, "lengths", 8), (64, "partial", 1, "table", 16)])
+def test_compiles_for_the_h200_without_serialised_wgmma(head_dim, mode, parts, seq, qn):
     from rl_engine.kernels.ops.triton.sm90 import H200_SHARED_BYTES
 
     env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, "-c", COMPILE, str(head_dim), mode, str(parts), seq], capture_output=True,
-                          text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", COMPILE, str(head_dim), mode, str(parts), seq, str(qn)],
+                          capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["wgmma"] > 0 and 0 < result["shared"] <= H200_SHARED_BYTES, result
@@ -46,6 +47,8 @@ def test_routes_bf16_groups_of_up_to_16_query_columns():
 
     assert gluon_decode.head_dim_parts(128, 32) == 2 and gluon_decode.head_dim_parts(128, 66) == 1
     assert gluon_decode.head_dim_parts(64, 8) == 1
+    assert gluon_decode.query_columns(4, 1) == 8 and gluon_decode.query_columns(8, 1) == 8  # Qwen3-8B / 32B decode
+    assert gluon_decode.query_columns(4, 3) == 16 and gluon_decode.query_columns(16, 1) == 16
     q, k = torch.zeros(4, 32, 128, dtype=torch.bfloat16), torch.zeros(4, 8, 128, dtype=torch.bfloat16)
     assert not gluon_decode.covers(q, k, 1)  # CPU rows
     if torch.cuda.is_available():
@@ -57,16 +60,18 @@ def test_routes_bf16_groups_of_up_to_16_query_columns():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim, parts", [(64, None), (64, 1), (128, None), (128, 1), (128, 2)])  # 64 rows: one part
-def test_gpu_gives_the_bits_of_flash_tiles_and_of_the_prefill(monkeypatch, head_dim, parts):
+@pytest.mark.parametrize("head_dim, parts, sq", [(64, None, 1), (64, 1, 3), (128, None, 1), (128, 1, 1), (128, 2, 1),
+                                                 (128, None, 3)])  # 64 rows: one part; 4 heads x 1 query: 8 columns
+def test_gpu_gives_the_bits_of_flash_tiles_and_of_the_prefill(monkeypatch, head_dim, parts, sq):
     """The KV-cache step (lengths read in the kernel), the same rows through flash_forward's table, flash.py's tiles
-    and the prefill: equal bits, over lengths that leave a split 1-5 blocks (the walk's odd and even tails)."""
+    and the prefill: equal bits, over lengths that leave a split 1-5 blocks (the walk's odd and even tails), at 8
+    query columns (one query per step) and 16 (three)."""
     from rl_engine.kernels.ops.triton.attention import gluon_decode, triton_attention, triton_kv_cache_attention
     from rl_engine.kernels.ops.triton.attention.flash import default_scale, flash_forward
     from rl_engine.kernels.ops.triton.attention.kv_cache_attention import kv_cache_table
 
     monkeypatch.setattr(gluon_decode, "PARTS", parts)
-    lengths, sq = [1, 64, 65, 129, 193, 2048, 2049, 2200, 2250, 4097, 5000], 1
+    lengths = [sq, 64, 65, 129, 193, 2048, 2049, 2200, 2250, 4097, 5000]
     gen = torch.Generator().manual_seed(head_dim)
     seqs = [tuple(torch.randn(n, h, head_dim, generator=gen).to(torch.bfloat16).cuda() for h in (32, 8, 8))
             for n in lengths]

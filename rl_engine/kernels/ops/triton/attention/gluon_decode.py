@@ -3,7 +3,8 @@ transposed; flash.py's bits.
 
 A decode step has group · Sq query rows per KV head (4 at Qwen3-8B's batch 1) and walks each 2048-key split as one
 chain of 64-key blocks (the split order is every path's contract). flash.py pads the rows to a 64-row tile. Here the
-keys are the tensor cores' M side (M is 64 at least, N goes down to 8) and the queries QN = 16 columns:
+keys are the tensor cores' M side (M is 64 at least, N goes down to 8) and the queries QN = 8 or 16 columns
+(`query_columns`):
 
     sᵀ = k·qᵀ [64, QN],   accᵀ = vᵀ·p̃ᵀ + accᵀ [D, QN],   lᵀ = 1·p̃ᵀ + lᵀ [64, QN]
 
@@ -28,8 +29,12 @@ gluon_forward.py), masks by `where` (applied to every block: a fully visible blo
 kv_len zeroed. The H200 gives flash.py's bits (a wgmma's sum for one element does not depend on which operand is which,
 nor on N or M): 0 tokens differ in the probe above and in the gpu tests (test_attention_consistency).
 
-H200 (torch 2.11, Triton 3.6; CUDA graphs, 32/8 heads x 128): batch 1 x 1k / 2k / 8k 9.2 / 14.5 / 17.1 us (SDPA
-6.5 / 7.2 / 11.0), batch 16 x 8k 133 us (SDPA 122).
+Eight query columns instead of 16 when a group's queries fit (Qwen3-8B's decode: 4 heads x 1 query) halve the scores
+each softmax warpgroup masks, exponentiates and rounds: 1.11-1.14x at batch 1, same bits in 20 cases
+(docs/evidence/h200_probe_decode_query_columns.log, with three changes that did not help).
+
+H200 (torch 2.11, Triton 3.6; CUDA graphs, 32/8 heads x 128): batch 1 x 1k / 2k / 4k / 8k 8.3 / 12.9 / 15.1 / 15.5 us
+(SDPA 6.6 / 7.3 / 9.2 / 11.1), batch 16 x 8k 130 us (SDPA 122).
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ from rl_engine.kernels.ops.triton.attention.gluon_forward import (
     compile_sm90a,
 )
 
-QN = 16  # query columns of a program: group · queries <= 16 (decode, and a few queries per step at group <= 4)
+QN = 16  # most query columns of a program: group · queries <= 16 (decode, and a few queries per step at group <= 4)
 L_ROWS = 64  # lᵀ's rows: the ones operand at the tensor cores' smallest M
 HEAD_DIMS = (64, 128)
 STAGES = 6  # K/V blocks in flight, each with its p̃ and alpha: 192 KiB of K/V at head_dim 128
@@ -327,6 +332,12 @@ def covers(q: torch.Tensor, k: torch.Tensor, max_q_count: int) -> bool:
     return gluon_forward.covers(q, k, k, HEAD_DIMS)
 
 
+def query_columns(group: int, max_q_count: int) -> int:
+    """The products' N: 8 when the group's queries fit (Qwen3-8B's decode fills 4 of them), else 16. Half the columns
+    are half the scores to mask, exponentiate and round; a wgmma's sum for one element does not depend on N."""
+    return 8 if group * max_q_count <= 8 else QN
+
+
 def head_dim_parts(head_dim: int, programs: int) -> int:
     """Programs a KV head's head dim is split over: 2 at head_dim 128 when the step has fewer programs than half the
     H200's 132 SMs (batch 1: 8-32 programs). Parallelism only: every choice gives the same bits."""
@@ -379,11 +390,12 @@ def _launch(q, k, v, seq_info, num_sequences, max_q_count, max_kv_len, causal, s
         p_strides = a_strides = (0, 0, 0)
     block_n = config.forward.block_n
     parts = head_dim_parts(d, num_splits * hkv * num_sequences)
+    qn = query_columns(hq // hkv, max_q_count)
     gluon_decode_kernel[(num_splits, hkv * parts, num_sequences)](
         gluon_forward.row_descriptor(k, block_n), _columns_descriptor(v, block_n, d // parts), q, out, lse, pm, pl,
         pacc, seq_info, q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), *p_strides,
         *a_strides, scale * LOG2_E, hq // hkv, max_q_count, max_kv_len,
-        block_n, d, parts, QN, L_ROWS, STAGES, config.kv_split, partial, causal, from_lengths, num_warps=4)
+        block_n, d, parts, qn, L_ROWS, STAGES, config.kv_split, partial, causal, from_lengths, num_warps=4)
     if partial:
         flash._split_combine_kernel[(triton.cdiv(rows * hq, COMBINE_BLOCK_R),)](
             pm, pl, pacc, out, lse, num_splits, rows, hq, d, *p_strides, *a_strides, out.stride(0), out.stride(1),
@@ -391,7 +403,8 @@ def _launch(q, k, v, seq_info, num_sequences, max_q_count, max_kv_len, causal, s
     return out, lse
 
 
-def compile_for_sm90(head_dim: int = 128, partial: bool = False, parts: int = 1, from_lengths: bool = False):
+def compile_for_sm90(head_dim: int = 128, partial: bool = False, parts: int = 1, from_lengths: bool = False,
+                     qn: int = QN):
     """The kernel compiled for sm_90a with no GPU present (Gluon has no interpreter), bound to stand-in tensors of a
     32/8-head problem (gluon_forward.compile_sm90a)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -406,5 +419,5 @@ def compile_for_sm90(head_dim: int = 128, partial: bool = False, parts: int = 1,
             MockTensor("float32", [4, 8192, 32, head_dim]), MockTensor("int32", [4, 6]),
             32 * head_dim, head_dim, 32 * head_dim, head_dim, 32, 8192 * 32, 32, 1, 8192 * 32 * head_dim,
             32 * head_dim, head_dim, 0.1, 4, 1, 8192,
-            block_n, head_dim, parts, QN, L_ROWS, STAGES, 2048, partial, True, from_lengths)
+            block_n, head_dim, parts, qn, L_ROWS, STAGES, 2048, partial, True, from_lengths)
     return compile_sm90a(gluon_decode_kernel, args)
