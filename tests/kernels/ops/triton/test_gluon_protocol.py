@@ -1,7 +1,8 @@
-"""A pure-Python model of the Gluon attention kernels' barrier protocols (gluon_forward.py, gluon_backward.py),
-run under random interleavings: the K/V (or Q/dO) ring with its drains, the dK/dV kernel's per-head ring
-slots. It restates the kernels' index rules (it cannot run their code: Gluon has no CPU
-interpreter), so a hang found here is a hang there; each test also shows the model catching a planted bug."""
+"""A pure-Python model of the Gluon attention kernels' barrier protocols (gluon_forward.py, gluon_backward.py,
+gluon_decode.py), run under random interleavings: the K/V (or Q/dO) ring with its drains, the dK/dV kernel's per-head
+ring slots, the decode walk's m handed from softmax warpgroup to softmax warpgroup. It restates the kernels' index
+rules (it cannot run their code: Gluon has no CPU interpreter), so a hang found here is a hang there; each test also
+shows the model catching a planted bug."""
 
 from __future__ import annotations
 
@@ -167,3 +168,83 @@ def test_the_model_catches_a_head_offset_off_by_one():
     """Planted bug: the dK/dV consumer's ring slots for head g shifted by g (nb + 1 blocks a head)."""
     rng = random.Random(3)
     assert {dkdv(rng, 4, slip=1) for _ in range(500)} - {"ok"}
+
+
+def _decode_loader(n, stages, kv_ready, kv_empty, kv):
+    """gluon_decode's prologue and `_loader`: block t into ring slot t % stages once the accumulator released the
+    block `stages` before."""
+    for t in range(n):
+        yield ("wait", kv_empty[t % stages], ((t // stages) & 1) ^ 1)
+        kv[t % stages] = t
+        yield ("arrive", kv_ready[t % stages])
+
+
+def _decode_softmax(first, groups, n, stages, slots, kv_ready, p_ready, m_ready, kv, m, p):
+    """gluon_decode's `_softmax`, one of `groups` warpgroups: block t's scores once its K/V landed, block t - 1's m
+    from m slot t % slots, block t's m into slot (t + 1) % slots, p̃ into the block's ring slot. An m slot holds
+    (block, taken)."""
+    for t in range(first, n, groups):
+        yield ("wait", kv_ready[t % stages], (t // stages) & 1)
+        assert kv[t % stages] == t, "scored another block"
+        yield ("wait", m_ready[t % slots], (t // slots) & 1)
+        assert m[t % slots] == (t - 1, False), "took another block's m"
+        m[t % slots] = (t - 1, True)
+        nxt = (t + 1) % slots
+        assert m[nxt] is None or m[nxt][1], "overwrote an m not yet taken"
+        m[nxt] = (t, False)
+        yield ("arrive", m_ready[nxt])
+        assert kv[t % stages] == t, "wrote p̃ beside another block"
+        p[t % stages] = t
+        yield ("arrive", p_ready[t % stages])
+
+
+def _decode_accumulator(n, stages, slots, p_ready, kv_empty, m_ready, kv, m, p):
+    """gluon_decode's `_accumulate`: block t's products once its p̃ is in, then the slot back to the loader; at the
+    end the last block's m."""
+    for t in range(n):
+        yield ("wait", p_ready[t % stages], (t // stages) & 1)
+        assert kv[t % stages] == t and p[t % stages] == t, "multiplied another block"
+        yield ("arrive", kv_empty[t % stages])
+    yield ("wait", m_ready[n % slots], (n // slots) & 1)
+    assert m[n % slots] == (n - 1, False), "ended on another block's m"
+
+
+def decode(rng, groups, slots=2, stages=6):
+    """One split's walk (gluon_decode.py) under a random interleaving: "ok" or the model's first fault."""
+    n = rng.randint(0, 14)
+    kv_ready, kv_empty, p_ready = ([Barrier(1) for _ in range(stages)] for _ in range(3))
+    m_ready = [Barrier(1) for _ in range(slots)]
+    kv, p, m = [None] * stages, [None] * stages, [(-1, False)] + [None] * (slots - 1)  # M_INIT before block 0
+    m_ready[0].arrive()
+    agents = [_decode_loader(n, stages, kv_ready, kv_empty, kv),
+              _decode_accumulator(n, stages, slots, p_ready, kv_empty, m_ready, kv, m, p)]
+    agents += [_decode_softmax(g, groups, n, stages, slots, kv_ready, p_ready, m_ready, kv, m, p)
+               for g in range(groups)]
+    try:
+        return run(agents, rng)
+    except AssertionError as e:
+        return str(e).splitlines()[0]
+
+
+@pytest.mark.parametrize("groups, slots, stages", [(1, 2, 2), (2, 2, 2), (3, 2, 3), (3, 2, 6), (4, 3, 6)])
+def test_the_decode_walk_hands_m_on_in_block_order(groups, slots, stages):
+    """SOFTMAX_GROUPS warpgroups (3 in the kernel, 2 m slots, a 6-deep ring). A warpgroup waits for block t's K/V and
+    for block t - 1's m right after its block t - groups, so its parity waits see the phase they mean when the ring
+    has >= groups slots and m >= groups - 1: (4, 3, 6) is how four warpgroups would have to run."""
+    rng = random.Random(groups * 100 + slots * 10 + stages)
+    assert {decode(rng, groups, slots, stages) for _ in range(3000)} == {"ok"}
+
+
+def test_the_model_catches_four_softmax_warpgroups_on_two_m_slots():
+    """Planted bug, the four-warpgroup text edit that gave wrong bits on the H200 (docs/kernels.md): block t + 2's
+    warpgroup can reach m slot t % 2 while its last completed phase is block t - 3's, of the parity it waits for, and
+    take that stale m (an mbarrier's parity wait cannot tell phases two apart)."""
+    rng = random.Random(4)
+    assert "took another block's m" in {decode(rng, 4, slots=2) for _ in range(3000)}
+
+
+def test_the_model_catches_a_ring_shallower_than_the_softmax_warpgroups():
+    """Planted bug: three warpgroups on a 2-deep ring; block t's warpgroup can pass the wait for its K/V on block
+    t - 2's phase of that slot (the same parity) and score whatever the slot holds."""
+    rng = random.Random(6)
+    assert "scored another block" in {decode(rng, 3, slots=2, stages=2) for _ in range(3000)}
