@@ -28,7 +28,15 @@ class Barrier:
 
 
 def run(agents, rng) -> str:
-    """Steps a random runnable agent until all finish ("ok") or none can move ("deadlock")."""
+    """Steps a random runnable agent until all finish ("ok"), none can move ("deadlock") or one of the model's checks
+    fails (the first line of its message names the fault)."""
+    try:
+        return _step(agents, rng)
+    except AssertionError as e:
+        return str(e).splitlines()[0]
+
+
+def _step(agents, rng) -> str:
     waiting = [None] * len(agents)
     alive = [True] * len(agents)
     while any(alive):
@@ -74,7 +82,7 @@ def _consumer(lo, hi, glo, ghi, ready, empty, slots, stages):
     if hi > lo:
         t = lo - glo
         yield ("wait", ready[t % stages], (t // stages) & 1)
-        assert slots[t % stages] == (0, lo)
+        assert slots[t % stages] == (0, lo), "read another block"
         for j in range(lo + 1, hi):
             t = j - glo
             yield ("wait", ready[t % stages], (t // stages) & 1)
@@ -133,10 +141,7 @@ def dkdv(rng, stages, slip=0, shared_tile=False, zero_late=False):
     agents = [_producer(ready, empty, slots, glo, ghi, stages, group)]
     agents += [_dkdv_consumer(lo, hi, glo, ghi, group, ready, empty, slots, stages, slip, zero_late)
                for lo, hi in ranges]
-    try:
-        return run(agents, rng)
-    except AssertionError as e:  # the model's own checks: the first line names the fault
-        return str(e).splitlines()[0]
+    return run(agents, rng)
 
 
 @pytest.mark.parametrize("consumers, stages", [(2, 4), (3, 3)])
@@ -220,10 +225,7 @@ def decode(rng, groups, slots=2, stages=6):
               _decode_accumulator(n, stages, slots, p_ready, kv_empty, m_ready, kv, m, p)]
     agents += [_decode_softmax(g, groups, n, stages, slots, kv_ready, p_ready, m_ready, kv, m, p)
                for g in range(groups)]
-    try:
-        return run(agents, rng)
-    except AssertionError as e:
-        return str(e).splitlines()[0]
+    return run(agents, rng)
 
 
 @pytest.mark.parametrize("groups, slots, stages", [(1, 2, 2), (2, 2, 2), (3, 2, 3), (3, 2, 6), (4, 3, 6)])
