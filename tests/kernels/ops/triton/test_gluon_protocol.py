@@ -92,6 +92,57 @@ def _consumer(lo, hi, glo, ghi, ready, empty, slots, stages):
     yield from _drain(ready, empty, max(hi, lo), ghi, glo, stages)
 
 
+def _split_drain(ready, empty, first, last, glo, stages, v_stages):
+    for j in range(first, last):
+        t = j - glo
+        yield ("wait", ready[t % stages], (t // stages) & 1)
+        yield ("arrive", empty[t % stages])
+        yield ("wait", ready[stages + t % v_stages], (t // v_stages) & 1)
+        yield ("arrive", empty[stages + t % v_stages])
+
+
+def _split_producer(ready, empty, k_slots, v_slots, glo, ghi, stages, v_stages):
+    """gluon_forward's `_producer` with K and V in separate rings: K_j, then V_{j-1}."""
+    for j in range(glo, ghi + 1):
+        if j < ghi:
+            t = j - glo
+            yield ("wait", empty[t % stages], ((t // stages) & 1) ^ 1)
+            k_slots[t % stages] = j
+            yield ("arrive", ready[t % stages])
+        if j > glo:
+            t = j - 1 - glo
+            yield ("wait", empty[stages + t % v_stages], ((t // v_stages) & 1) ^ 1)
+            v_slots[t % v_stages] = j - 1
+            yield ("arrive", ready[stages + t % v_stages])
+
+
+def _split_consumer(lo, hi, glo, ghi, ready, empty, k_slots, v_slots, stages, v_stages, v_early=False):
+    """gluon_forward's `_consumer` / `_step` with separate rings: K_j released once its q·kᵀ is done, V_{j-1}
+    after its p·v, in the same trip; a read spans its wait and its release (`v_early`: a planted release of V_{j-1}
+    before its p·v)."""
+    yield from _split_drain(ready, empty, glo, lo, glo, stages, v_stages)
+    if hi > lo:
+        t = lo - glo
+        yield ("wait", ready[t % stages], (t // stages) & 1)
+        assert k_slots[t % stages] == lo, "read another block"
+        yield ("arrive", empty[t % stages])
+        for j in range(lo + 1, hi + 1):
+            t = j - glo
+            if j < hi:
+                yield ("wait", ready[t % stages], (t // stages) & 1)
+            v = stages + (t - 1) % v_stages
+            yield ("wait", ready[v], ((t - 1) // v_stages) & 1)
+            if v_early:
+                yield ("arrive", empty[v])
+            if j < hi:
+                assert k_slots[t % stages] == j, "read another block"
+                yield ("arrive", empty[t % stages])
+            assert v_slots[(t - 1) % v_stages] == j - 1, "a stage reused too early"
+            if not v_early:
+                yield ("arrive", empty[v])
+    yield from _split_drain(ready, empty, max(hi, lo), ghi, glo, stages, v_stages)
+
+
 def _dkdv_consumer(lo, hi, glo, ghi, group, ready, empty, slots, stages, slip=0, zero_late=False):
     """gluon_backward's `_dkdv_consumer`: per head of the group, ring slot g·nb + m - glo; a head's last block (the
     one that can hold rows past the sequence) has those rows zeroed in the slot before its release (`slip`: a planted
@@ -121,12 +172,20 @@ def _tiles(rng, consumers, max_lo=5):
     return [r or (glo, glo) for r in ranges], glo, ghi
 
 
-def forward(rng, consumers, stages):
+def forward(rng, consumers, stages, v_stages=0, v_early=False):
+    """v_stages = 0: one ring (a block's K and V in one stage), else V in its own ring (gluon_forward.SHAPES)."""
     ranges, glo, ghi = _tiles(rng, consumers)
-    ready, empty = [Barrier(1) for _ in range(stages)], [Barrier(consumers) for _ in range(stages)]
-    slots = [None] * stages
-    agents = [_producer(ready, empty, slots, glo, ghi, stages)]
-    agents += [_consumer(lo, hi, glo, ghi, ready, empty, slots, stages) for lo, hi in ranges]
+    ready, empty = ([Barrier(1) for _ in range(stages + v_stages)],
+                    [Barrier(consumers) for _ in range(stages + v_stages)])
+    if v_stages == 0:
+        slots = [None] * stages
+        agents = [_producer(ready, empty, slots, glo, ghi, stages)]
+        agents += [_consumer(lo, hi, glo, ghi, ready, empty, slots, stages) for lo, hi in ranges]
+    else:
+        k_slots, v_slots = [None] * stages, [None] * v_stages
+        agents = [_split_producer(ready, empty, k_slots, v_slots, glo, ghi, stages, v_stages)]
+        agents += [_split_consumer(lo, hi, glo, ghi, ready, empty, k_slots, v_slots, stages, v_stages, v_early)
+                   for lo, hi in ranges]
     return run(agents, rng)
 
 
@@ -144,10 +203,22 @@ def dkdv(rng, stages, slip=0, shared_tile=False, zero_late=False):
     return run(agents, rng)
 
 
-@pytest.mark.parametrize("consumers, stages", [(2, 4), (3, 3)])
-def test_the_forward_and_dq_rings_never_deadlock(consumers, stages):
-    rng = random.Random(consumers * 10 + stages)
-    assert {forward(rng, consumers, stages) for _ in range(3000)} == {"ok"}
+@pytest.mark.parametrize("consumers, stages, v_stages", [(2, 4, 0), (3, 3, 0), (3, 3, 3), (2, 2, 2), (2, 2, 3),
+                                                          (3, 1, 1)])
+def test_the_forward_and_dq_rings_never_deadlock(consumers, stages, v_stages):
+    """v_stages 0: one K/V ring (the dQ kernel; the forward at head_dim 64); else separate K and V rings (the
+    forward at 128 and 256), which work even 1-deep: no trip holds two K or two V stages."""
+    from rl_engine.kernels.ops.triton.attention.gluon_forward import SHAPES
+
+    rng = random.Random(consumers * 10 + stages + v_stages)
+    assert {forward(rng, consumers, stages, v_stages) for _ in range(3000)} == {"ok"}
+    assert {s[:3] for s in SHAPES.values()} <= {(2, 4, 0), (3, 3, 0), (3, 3, 3), (2, 2, 2)}, "modelled above"
+
+
+def test_the_model_catches_a_value_block_released_before_its_product():
+    """Planted bug: V_{j-1}'s stage released before its p·v, so the producer may refill it under the product."""
+    rng = random.Random(4)
+    assert "a stage reused too early" in {forward(rng, 2, 2, 2, v_early=True) for _ in range(3000)}
 
 
 @pytest.mark.parametrize("shared_tile", [False, True], ids=["two_tiles", "one_tile_dv_dk"])

@@ -168,7 +168,7 @@ def _dq_consumer(q_smem, do_smem, q_bar, k_bufs, v_bufs, k_tail, kv_ready, kv_em
             ds_op, dq = _dq_step(ds_op, dq, j, q_smem, do_smem, k_bufs, v_bufs, kv_ready, kv_empty, lse, delta, q_pos,
                                  k_base, kv_len, window, qk_scale, s_zero, glo, BLOCK_N, STAGES, True, CAUSAL,
                                  ds_layout)
-        dq = _last_product(ds_op, k_bufs, k_tail, dq, kv_empty, hi_b, glo, kv_len, BLOCK_N, STAGES)  # its dq product
+        dq = _last_product(ds_op, k_bufs, k_tail, dq, kv_ready, kv_empty, hi_b, glo, kv_len, BLOCK_N, STAGES)
         dq = dq * scale
         rows_o = first_q + gl.arange(0, BLOCK_M, row_o)
         d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))

@@ -30,7 +30,7 @@ kv_len zeroed. The H200 gives flash.py's bits (a wgmma's sum for one element doe
 nor on N or M): 0 tokens differ in the probe above and in the gpu tests (test_attention_consistency).
 
 Eight query columns instead of 16 when a group's queries fit (Qwen3-8B's decode: 4 heads x 1 query) halve the scores
-each softmax warpgroup masks, exponentiates and rounds: 1.11-1.14x at batch 1, same bits in 20 cases
+each softmax warpgroup masks, exponentiates and rounds: 1.11-1.14x at batch 1, same bits in 19 cases
 (docs/evidence/h200_probe_decode_query_columns.log, with three changes that did not help).
 
 H200 (torch 2.11, Triton 3.6; CUDA graphs, 32/8 heads x 128): batch 1 x 1k / 2k / 4k / 8k 8.3 / 12.9 / 15.1 / 15.5 us

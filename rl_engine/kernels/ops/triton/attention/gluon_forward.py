@@ -4,15 +4,15 @@ tiles (not decode's split programs), one query head per tile, bf16, head_dim 64,
 Triton 3.6.
 
 Per CTA: three (head_dim 64, 128) or two (256) 64-row query tiles of one sequence and head, each on its own
-consumer warpgroup, and a 1-warp producer that streams the union of their K/V blocks into a ring of shared
-buffers by TMA. A consumer issues block j's q·kᵀ and block j-1's p·v together and runs block j's softmax while
-p·v is in flight (FA3's intra-warpgroup overlap; p goes to the tensor cores straight from registers). In the
-SASS ptxas moves that softmax below the wait for p·v (docs/kernels.md), so what overlaps a consumer's softmax is
-the other warpgroups' MMAs. The per-row arithmetic is flash.py's
-instruction for instruction and in flash.py's order (its key blocks from the sequence's first key, exp2 of an
-explicit fma, p rounded to bf16 before its products, l a product too (p·1, beside p·v), masks by `where`,
-acc += p·v then acc *= alpha, the KV-split folds with the same fmas, the same accumulator layouts), so every row gets
-flash.py's bits and the decode, packed and chunked paths need not move.
+consumer warpgroup, and a 1-warp producer that streams the union of their K/V blocks into rings of shared
+buffers by TMA (one ring of K/V stages at head_dim 64, separate K and V rings at 128 and 256: `SHAPES`). A consumer
+issues block j's q·kᵀ and block j-1's p·v together and runs block j's softmax while p·v is in flight (FA3's
+intra-warpgroup overlap; p goes to the tensor cores straight from registers). In the SASS ptxas moves that softmax
+below the wait for p·v (docs/kernels.md), so what overlaps a consumer's softmax is the other warpgroups' MMAs. The
+per-row arithmetic is flash.py's instruction for instruction and in flash.py's order (its key blocks from the
+sequence's first key, exp2 of an explicit fma, p rounded to bf16 before its products, l a product too (p·1, beside
+p·v), masks by `where`, acc += p·v then acc *= alpha, the KV-split folds with the same fmas, the same accumulator
+layouts), so every row gets flash.py's bits and the decode, packed and chunked paths need not move.
 
 It takes flash.py's sequence tables (padded, left-padded, packed, chunked), reads keys past kv_len as zeros (a
 consumer copies a tail block into its Q buffer, free by then), drains the ring for tiles without queries, writes
@@ -50,33 +50,69 @@ M_INIT = gl.constexpr(-1.0e30)
 RESCALE_ABOVE = gl.constexpr(flash.RESCALE_ABOVE.value)
 NO_WINDOW_C = gl.constexpr(NO_WINDOW)
 BLOCK_M = 64  # rows per consumer warpgroup; keys per block are flash.py's forward BLOCK_N for the head_dim
-# head_dim -> (consumer warpgroups, K/V ring depth, registers per consumer thread, consumers whose running fold
-# lives in shared memory). A consumer holds block j-1 (its p·v in flight) and block j (its q·kᵀ) while the producer
-# fills the next; consumers x 128 x regs + 128 x 24 <= 64 Ki registers, and the CTA's Q tiles, ring and fold buffers
-# fit 227 KiB. Chosen on the H200 (h200_probe_gluon_all_60e5608.log): at head_dim 128 three consumers beat two (the
-# 4-deep ring, 240 registers: 8-10% slower) and FA3's ping-pong of two consumers' MMA issue gained nothing
-# (deleted); ring depth 2 / 3 / 4 within 2% then, a 2-deep ring 1.22x the time at S = 4k-8k since
-# (h200_probe_fold_cost.log). The folds through the workspace cost 5-7% at S = 4k-8k (no-fold run, same log); two
-# of three in shared memory (all the buffers that fit) gained 2-4% (h200_probe_fold_smem.log).
+# head_dim -> (consumer warpgroups, K ring depth, V ring depth, registers per consumer thread, consumers whose running
+# fold lives in shared memory). V ring depth 0: one ring, a block's K and V in one stage, released after its p·v, so a
+# consumer holds blocks j-1 and j while the producer fills the next. Else K_j's stage is released once its q·kᵀ is
+# done and V_{j-1}'s after its p·v, so the producer refills K a trip earlier: at head_dim 256 that made 64-key blocks
+# (two 32 KiB stages each) 1.06-1.11x faster than the 32-key blocks of one 4-deep ring, where one ring of 64-key
+# blocks was 0.86-0.89x; at 128 1.00-1.06x; at 64 0.94-0.95x, so one ring stays there (same SASS as before)
+# (docs/evidence/h200_probe_fwd_split_rings.log). consumers x 128 x regs + 128 x 24 <= 64 Ki registers, and the
+# CTA's Q tiles, rings and fold buffers fit 227 KiB. Chosen on the H200 (h200_probe_gluon_all_60e5608.log): at
+# head_dim 128 three consumers beat two (the 4-deep ring, 240 registers: 8-10% slower) and FA3's ping-pong of two
+# consumers' MMA issue gained nothing (deleted); ring depth 2 / 3 / 4 within 2% then, a 2-deep one ring 1.22x the
+# time at S = 4k-8k since (h200_probe_fold_cost.log). The folds through the workspace cost 5-7% at S = 4k-8k
+# (no-fold run, same log); two of three in shared memory (all the buffers that fit) gained 2-4%
+# (h200_probe_fold_smem.log).
 # Head_dim 64 (any of those forms) was 10-13% slower than flash.py's kernel while both rounded p one element at a
 # time; rounding two at a time, 5-6% faster at S >= 4k, 8% slower at 2k (h200_probe_flash_cvt_gluon_hd64_host.log),
 # and no other ring depth or consumer count faster (h200_probe_host_time.log).
-SHAPES = {64: (3, 3, 160, 3), 128: (3, 3, 160, 2), 256: (2, 4, 240, 0)}
+SHAPES = {64: (3, 3, 0, 160, 3), 128: (3, 3, 3, 160, 2), 256: (2, 2, 2, 240, 0)}
 # l_acc: a consumer's [64, 16] fp32 tile of p·1 (8 registers a thread), each column the row's l.
 L_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
 
 
 @gluon.jit
 def _producer(desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col, glo, ghi,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    for j in range(glo, ghi):
-        t = j - glo
-        s = t % STAGES
-        mbarrier.wait(kv_empty.index(s), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
-        ready = kv_ready.index(s)
-        mbarrier.expect(ready, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_k, [k_row0 + j * BLOCK_N, kv_col], ready, k_bufs.index(s))
-        tma.async_copy_global_to_shared(desc_v, [k_row0 + j * BLOCK_N, kv_col], ready, v_bufs.index(s))
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr = 0):
+    """K/V blocks [glo, ghi) into the ring(s) (V_STAGES = 0: one ring, as the dQ kernel also streams them)."""
+    if V_STAGES == 0:  # one ring: a block's K and V in one stage
+        for j in range(glo, ghi):
+            t = j - glo
+            s = t % STAGES
+            mbarrier.wait(kv_empty.index(s), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+            ready = kv_ready.index(s)
+            mbarrier.expect(ready, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc_k, [k_row0 + j * BLOCK_N, kv_col], ready, k_bufs.index(s))
+            tma.async_copy_global_to_shared(desc_v, [k_row0 + j * BLOCK_N, kv_col], ready, v_bufs.index(s))
+    else:  # K_j before V_{j-1}, which its consumers read after K_j
+        for j in range(glo, ghi + 1):
+            if j < ghi:
+                t = j - glo
+                s = t % STAGES
+                mbarrier.wait(kv_empty.index(s), ((t // STAGES) & 1) ^ 1)
+                mbarrier.expect(kv_ready.index(s), desc_k.block_type.nbytes)
+                tma.async_copy_global_to_shared(desc_k, [k_row0 + j * BLOCK_N, kv_col], kv_ready.index(s),
+                                                k_bufs.index(s))
+            if j > glo:
+                buf, bar, parity = _v_stage(j - 1 - glo, STAGES, V_STAGES)
+                mbarrier.wait(kv_empty.index(bar), parity ^ 1)
+                mbarrier.expect(kv_ready.index(bar), desc_v.block_type.nbytes)
+                tma.async_copy_global_to_shared(desc_v, [k_row0 + (j - 1) * BLOCK_N, kv_col], kv_ready.index(bar),
+                                                v_bufs.index(buf))
+
+
+@gluon.jit
+def _v_stage(t, STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+    """Ring block t's V: its buffer, the index of its ready / empty barriers and their parity. With one ring
+    (V_STAGES = 0) that is K's stage; else V's own ring, whose barriers follow K's."""
+    buf = t % STAGES
+    bar = t % STAGES
+    parity = (t // STAGES) & 1
+    if V_STAGES > 0:
+        buf = t % V_STAGES
+        bar = STAGES + t % V_STAGES
+        parity = (t // V_STAGES) & 1
+    return buf, bar, parity
 
 
 @gluon.jit
@@ -161,23 +197,30 @@ def _merge_split(m_t, l_t, acc_t, m, l, acc, row_o: gl.constexpr):
 
 
 @gluon.jit
-def _drain(kv_ready, kv_empty, first, last, glo, STAGES: gl.constexpr):
+def _drain(kv_ready, kv_empty, first, last, glo, STAGES: gl.constexpr, V_STAGES: gl.constexpr = 0):
     """Release ring blocks [first, last) this consumer does not read: each stage needs every consumer's
     release before the producer refills it, and a release must follow that block's arrival."""
     for j in range(first, last):
         t = j - glo
         mbarrier.wait(kv_ready.index(t % STAGES), (t // STAGES) & 1)
         mbarrier.arrive(kv_empty.index(t % STAGES), count=1)
+        if V_STAGES > 0:
+            _, bar, parity = _v_stage(t, STAGES, V_STAGES)
+            mbarrier.wait(kv_ready.index(bar), parity)
+            mbarrier.arrive(kv_empty.index(bar), count=1)
 
 
 @gluon.jit
-def _last_product(a_op, bufs, tail, acc, kv_empty, hi_b, glo, kv_len, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """acc += a_op · (the tile's last key block, hi_b - 1), then its ring slot released. Keys past kv_len (a
-    neighbour's rows) are read as zeros, as in flash.py, through the consumer's own copy `tail`. It waits for
-    every product in flight, a caller's earlier ones too."""
+def _last_product(a_op, bufs, tail, acc, kv_ready, kv_empty, hi_b, glo, kv_len, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, V_STAGES: gl.constexpr = 0):
+    """acc += a_op · (the tile's last block's V, or K for dQ, hi_b - 1), then its ring slot released. Keys past
+    kv_len (a neighbour's rows) are read as zeros, as in flash.py, through the consumer's own copy `tail`. It waits
+    for every product in flight, a caller's earlier ones too."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     j = hi_b - 1
-    s = (j - glo) % STAGES
+    s, bar, parity = _v_stage(j - glo, STAGES, V_STAGES)
+    if V_STAGES > 0:  # with one ring, waited for with the block's K
+        mbarrier.wait(kv_ready.index(bar), parity)
     if hi_b * BLOCK_N > kv_len:
         b = bufs.index(s).load(layout)
         k_rows = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, layout))
@@ -188,7 +231,7 @@ def _last_product(a_op, bufs, tail, acc, kv_empty, hi_b, glo, kv_len, BLOCK_N: g
     else:
         acc = warpgroup_mma(a_op, bufs.index(s), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    mbarrier.arrive(kv_empty.index(s), count=1)
+    mbarrier.arrive(kv_empty.index(bar), count=1)
     return acc
 
 
@@ -239,7 +282,8 @@ def _keep_fold(T_M, T_L, t_ptr, t_smem, ml_smem, rows_s, rows_ok_s, rows_ok_o, h
 @gluon.jit
 def _step(p_prev, m, l_acc, acc, has_t, j, q_smem, k_bufs, v_bufs, ones, kv_ready, kv_empty, T_M, T_L, t_ptr, t_smem,
           ml_smem, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, q_pos, k_base, kv_len, window, qk_scale, s_zero, glo,
-          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_SPLIT: gl.constexpr, MASKED: gl.constexpr,
+          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, KV_SPLIT: gl.constexpr,
+          MASKED: gl.constexpr,
           CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, T_SMEM: gl.constexpr):
     """Key block j (not the tile's first): its q·kᵀ and block j-1's p·v and p·1 issued together, block j's
     softmax run while they are in flight (FA3's intra-warpgroup overlap), then acc and l rescaled. The operations
@@ -250,17 +294,21 @@ def _step(p_prev, m, l_acc, acc, has_t, j, q_smem, k_bufs, v_bufs, ones, kv_read
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     t = j - glo
     s = t % STAGES
-    prv = (t - 1) % STAGES
+    prv, prv_bar, prv_parity = _v_stage(t - 1, STAGES, V_STAGES)
     mbarrier.wait(kv_ready.index(s), (t // STAGES) & 1)
+    if V_STAGES > 0:
+        mbarrier.wait(kv_ready.index(prv_bar), prv_parity)
     qk = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     acc = warpgroup_mma(p_prev, v_bufs.index(prv), acc, is_async=True)
     l_acc = warpgroup_mma(p_prev, ones, l_acc, is_async=True)
     qk = warpgroup_mma_wait(num_outstanding=2, deps=(qk, ))
+    if V_STAGES > 0:  # K_j is read
+        mbarrier.arrive(kv_empty.index(s), count=1)
     fresh = ((j * BLOCK_N) % KV_SPLIT) == 0
     m_in = gl.where(fresh, gl.full(m.shape, M_INIT, gl.float32, row_s), m)
     m_new, p_v, alpha = _softmax_block(qk, m_in, j, q_pos, k_base, kv_len, window, qk_scale, BLOCK_N, MASKED, CAUSAL)
     acc, l_acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_acc, p_prev))
-    mbarrier.arrive(kv_empty.index(prv), count=1)
+    mbarrier.arrive(kv_empty.index(prv_bar), count=1)  # V_{j-1} is read (with one ring, its K too)
     if fresh:  # block j-1 ended a split: fold it, this block starts the next
         m_t, l_t, acc_t = _fold(T_M, T_L, t_ptr, t_smem, ml_smem, rows_s, rows_ok_s, rows_ok_o, head, stride_lr,
                                 has_t, m, _l_rows(l_acc, row_s), acc, row_s, o_layout, T_SMEM)
@@ -279,7 +327,7 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, ones, t_smem, ml_smem, kv_ready, kv
               stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count, q_pos0,
               first_q, kv_len, window, lo_b, mid_b, hi_b, glo, ghi,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr, T_SMEM: gl.constexpr):
+              V_STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr, T_SMEM: gl.constexpr):
     """One 64-row query tile on one warpgroup: key blocks [lo_b, mid_b) unmasked, [mid_b, hi_b) masked,
     each block's softmax overlapping the previous block's p·v (`_step`); the other blocks of the CTA's ring
     drained. A split's state is folded into the tile's running fold (in t_smem / ml_smem when T_SMEM, else in
@@ -292,7 +340,7 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, ones, t_smem, ml_smem, kv_ready, kv
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     mbarrier.wait(q_bar, 0)  # also for a tile without work: no copy may be in flight when the CTA exits
-    _drain(kv_ready, kv_empty, glo, lo_b, glo, STAGES)
+    _drain(kv_ready, kv_empty, glo, lo_b, glo, STAGES, V_STAGES)
     if hi_b > lo_b:
         m = gl.full([BLOCK_M], M_INIT, gl.float32, row_s)
         l_acc = gl.zeros([BLOCK_M, 16], gl.float32, L_LAYOUT)
@@ -314,6 +362,8 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, ones, t_smem, ml_smem, kv_ready, kv
         mbarrier.wait(kv_ready.index(t % STAGES), (t // STAGES) & 1)
         qk = warpgroup_mma(q_smem, k_bufs.index(t % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+        if V_STAGES > 0:
+            mbarrier.arrive(kv_empty.index(t % STAGES), count=1)
         if lo_b < mid_b:
             m, p_v, alpha = _softmax_block(qk, m, lo_b, q_pos, k_base, kv_len, window, qk_scale, BLOCK_N, False,
                                            CAUSAL)
@@ -328,18 +378,18 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, ones, t_smem, ml_smem, kv_ready, kv
             m, l_acc, acc, p_op, has_t = _step(p_op, m, l_acc, acc, has_t, j, q_smem, k_bufs, v_bufs, ones,
                                                kv_ready, kv_empty, T_M, T_L, t_ptr, t_smem, ml_smem, rows_s,
                                                rows_ok_s, rows_ok_o, head, stride_lr, q_pos, k_base, kv_len, window,
-                                               qk_scale, s_zero, glo, BLOCK_N, STAGES, KV_SPLIT, False, CAUSAL,
-                                               s_layout, o_layout, T_SMEM)
+                                               qk_scale, s_zero, glo, BLOCK_N, STAGES, V_STAGES, KV_SPLIT, False,
+                                               CAUSAL, s_layout, o_layout, T_SMEM)
         for j in range(u, hi_b):  # masked blocks
             m, l_acc, acc, p_op, has_t = _step(p_op, m, l_acc, acc, has_t, j, q_smem, k_bufs, v_bufs, ones,
                                                kv_ready, kv_empty, T_M, T_L, t_ptr, t_smem, ml_smem, rows_s,
                                                rows_ok_s, rows_ok_o, head, stride_lr, q_pos, k_base, kv_len, window,
-                                               qk_scale, s_zero, glo, BLOCK_N, STAGES, KV_SPLIT, True, CAUSAL,
+                                               qk_scale, s_zero, glo, BLOCK_N, STAGES, V_STAGES, KV_SPLIT, True, CAUSAL,
                                                s_layout, o_layout, T_SMEM)
         l_acc = warpgroup_mma(p_op, ones, l_acc, is_async=True)  # the last block's p·1; done by _last_product's wait
         # its p·v; a tail block goes through the Q buffer, free after the tile's last q·kᵀ
-        acc = _last_product(p_op, v_bufs, q_smem.slice(0, BLOCK_N), acc, kv_empty, hi_b, glo, kv_len, BLOCK_N,
-                            STAGES)
+        acc = _last_product(p_op, v_bufs, q_smem.slice(0, BLOCK_N), acc, kv_ready, kv_empty, hi_b, glo, kv_len,
+                            BLOCK_N, STAGES, V_STAGES)
         l_acc = warpgroup_mma_wait(num_outstanding=0, deps=(l_acc, ))
         m, l, acc = _fold(T_M, T_L, t_ptr, t_smem, ml_smem, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, has_t,
                           m, _l_rows(l_acc, row_s), acc, row_s, o_layout, T_SMEM)
@@ -348,7 +398,7 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, ones, t_smem, ml_smem, kv_ready, kv
         o_ptr = O + gl.expand_dims(rows_o * stride_or + head * stride_oh, 1) + gl.expand_dims(d, 0)
         gl.store(o_ptr, out.to(gl.bfloat16), mask=gl.expand_dims(rows_ok_o, 1))
         gl.store(LSE + rows_s * stride_lr + head, m + gl.log2(l_safe), mask=rows_ok_s)
-    _drain(kv_ready, kv_empty, gl.maximum(hi_b, lo_b), ghi, glo, STAGES)
+    _drain(kv_ready, kv_empty, gl.maximum(hi_b, lo_b), ghi, glo, STAGES, V_STAGES)
 
 
 @gluon.jit
@@ -413,7 +463,7 @@ def _or_drain(lo, mid, hi, glo):
 def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_INFO,
                          stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, group,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
+                         STAGES: gl.constexpr, V_STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
                          CONSUMERS: gl.constexpr, REGS: gl.constexpr, T_TILES: gl.constexpr):
     # grid (cdiv(max q_count, CONSUMERS * 64), Hq, sequences): the last (heaviest) query tiles first, as in
     # flash.py. Under a causal mask CTAs are aligned to the sequence's end, so a CTA with fewer query tiles
@@ -438,17 +488,20 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
     q0 = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
     q1 = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
     k_bufs = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
-    v_bufs = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
+    if V_STAGES == 0:
+        v_bufs = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
+    else:
+        v_bufs = gl.allocate_shared_memory(desc_v.dtype, [V_STAGES] + desc_v.block_type.shape, desc_v.layout)
     ones = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 16], gl.NVMMASharedLayout.get_default_for([BLOCK_N, 16],
                                      gl.bfloat16), gl.full([BLOCK_N, 16], 1.0, gl.bfloat16,
                                                            gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])))
     fence_async_shared()  # the consumers' wgmma read it through the async proxy
     q_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
-    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES + V_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES + V_STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(3):
         mbarrier.init(q_bars.index(c), count=1)
-    for s in gl.static_range(STAGES):
+    for s in gl.static_range(STAGES + V_STAGES):
         mbarrier.init(kv_ready.index(s), count=1)
         mbarrier.init(kv_empty.index(s), count=CONSUMERS)  # each consumer releases each stage
     mbarrier.expect(q_bars.index(0), desc_q.block_type.nbytes)
@@ -461,13 +514,13 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
             (_consumer, (q0, q_bars.index(0), k_bufs, v_bufs, ones, T0, ML0, kv_ready, kv_empty, O, LSE, T_M,
                          T_L, T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0,
                          q_count, q_pos0, first_q, kv_len, window, lo0, mid0, hi0, glo, ghi, BLOCK_M, BLOCK_N, HEAD_DIM,
-                         STAGES, CAUSAL, KV_SPLIT, T_TILES > 0)),
+                         STAGES, V_STAGES, CAUSAL, KV_SPLIT, T_TILES > 0)),
             (_consumer, (q1, q_bars.index(1), k_bufs, v_bufs, ones, T1, ML1, kv_ready, kv_empty, O, LSE, T_M,
                          T_L, T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0,
                          q_count, q_pos0, first_q + BLOCK_M, kv_len, window, lo1, mid1, hi1, glo, ghi, BLOCK_M, BLOCK_N,
-                         HEAD_DIM, STAGES, CAUSAL, KV_SPLIT, T_TILES > 1)),
+                         HEAD_DIM, STAGES, V_STAGES, CAUSAL, KV_SPLIT, T_TILES > 1)),
             (_producer, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col, glo, ghi, BLOCK_N,
-                         STAGES)),
+                         STAGES, V_STAGES)),
         ], [4, 1], [REGS, 24])
     else:
         q2 = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
@@ -491,17 +544,17 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
             (_consumer, (q0, q_bars.index(0), k_bufs, v_bufs, ones, T0, ML0, kv_ready, kv_empty, O, LSE, T_M,
                          T_L, T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0,
                          q_count, q_pos0, first_q, kv_len, window, lo0, mid0, hi0, glo, ghi, BLOCK_M, BLOCK_N, HEAD_DIM,
-                         STAGES, CAUSAL, KV_SPLIT, T_TILES > 2)),
+                         STAGES, V_STAGES, CAUSAL, KV_SPLIT, T_TILES > 2)),
             (_consumer, (q1, q_bars.index(1), k_bufs, v_bufs, ones, T1, ML1, kv_ready, kv_empty, O, LSE, T_M,
                          T_L, T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0,
                          q_count, q_pos0, first_q + BLOCK_M, kv_len, window, lo1, mid1, hi1, glo, ghi, BLOCK_M, BLOCK_N,
-                         HEAD_DIM, STAGES, CAUSAL, KV_SPLIT, T_TILES > 1)),
+                         HEAD_DIM, STAGES, V_STAGES, CAUSAL, KV_SPLIT, T_TILES > 1)),
             (_consumer, (q2, q_bars.index(2), k_bufs, v_bufs, ones, T2, ML2, kv_ready, kv_empty, O, LSE, T_M,
                          T_L, T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0,
                          q_count, q_pos0, first_q + 2 * BLOCK_M, kv_len, window, lo2, mid2, hi2, glo, ghi, BLOCK_M,
-                         BLOCK_N, HEAD_DIM, STAGES, CAUSAL, KV_SPLIT, T_TILES > 0)),
+                         BLOCK_N, HEAD_DIM, STAGES, V_STAGES, CAUSAL, KV_SPLIT, T_TILES > 0)),
             (_producer, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col, glo, ghi, BLOCK_N,
-                         STAGES)),
+                         STAGES, V_STAGES)),
         ], [4, 4, 1], [REGS, REGS, 24])
 
 
@@ -577,7 +630,7 @@ def gluon_forward(q, k, v, table, *, causal: bool, scale: float | None = None):
     if table.num_sequences == 0 or rows == 0:
         return out, lse
     kv_split = attention_config(q.dtype, d).kv_split
-    consumers, stages, regs, t_tiles = SHAPES[d]
+    consumers, stages, v_stages, regs, t_tiles = SHAPES[d]
     if table.max_kv_len > kv_split and t_tiles < consumers:  # the running folds kept out of shared memory
         t_m, t_l = torch.empty_like(lse), torch.empty_like(lse)
         t_acc = torch.empty((rows, hq, d), dtype=torch.float32, device=q.device)
@@ -590,7 +643,7 @@ def gluon_forward(q, k, v, table, *, causal: bool, scale: float | None = None):
         row_descriptor(q, BLOCK_M), row_descriptor(k, block_n), row_descriptor(v, block_n), out, lse, t_m, t_l, t_acc,
         table.info, out.stride(0), out.stride(1), lse.stride(0), t_acc.stride(0) if t_acc.dim() == 3 else 0,
         t_acc.stride(1) if t_acc.dim() == 3 else 0, default_scale(d, scale) * LOG2_E, hq // k.shape[1],
-        BLOCK_M, block_n, d, stages, causal, kv_split, consumers, regs, t_tiles, num_warps=4)
+        BLOCK_M, block_n, d, stages, v_stages, causal, kv_split, consumers, regs, t_tiles, num_warps=4)
     return out, lse
 
 
@@ -618,7 +671,7 @@ def compile_for_sm90(causal: bool, head_dim: int = 128):
     32/8-head problem."""
     from triton.runtime.jit import MockTensor
 
-    consumers, stages, regs, t_tiles = SHAPES[head_dim]
+    consumers, stages, v_stages, regs, t_tiles = SHAPES[head_dim]
     block_n = attention_config(torch.bfloat16, head_dim).forward.block_n
 
     f32 = MockTensor("float32", [8192, 32])
@@ -626,5 +679,5 @@ def compile_for_sm90(causal: bool, head_dim: int = 128):
     args = (desc(BLOCK_M, 32), desc(block_n, 8), desc(block_n, 8), MockTensor("bfloat16", [8192, 32, head_dim]),
             f32, f32, f32, MockTensor("float32", [8192, 32, head_dim]), MockTensor("int32", [4, 6]),
             32 * head_dim, head_dim, 32, 32 * head_dim, head_dim, 0.1, 4,
-            BLOCK_M, block_n, head_dim, stages, causal, 2048, consumers, regs, t_tiles)
+            BLOCK_M, block_n, head_dim, stages, v_stages, causal, 2048, consumers, regs, t_tiles)
     return compile_sm90a(gluon_forward_kernel, args)
