@@ -59,11 +59,15 @@ def _step(agents, rng) -> str:
     return "ok"
 
 
-def _drain(ready, empty, first, last, glo, stages):
+def _drain(ready, empty, first, last, glo, stages, v_stages=0):
+    """gluon_forward's `_drain`: with separate rings (v_stages > 0) a block's V stage too, its barriers after K's."""
     for j in range(first, last):
         t = j - glo
         yield ("wait", ready[t % stages], (t // stages) & 1)
         yield ("arrive", empty[t % stages])
+        if v_stages:
+            yield ("wait", ready[stages + t % v_stages], (t // v_stages) & 1)
+            yield ("arrive", empty[stages + t % v_stages])
 
 
 def _producer(ready, empty, slots, glo, ghi, stages, group=1):
@@ -92,15 +96,6 @@ def _consumer(lo, hi, glo, ghi, ready, empty, slots, stages):
     yield from _drain(ready, empty, max(hi, lo), ghi, glo, stages)
 
 
-def _split_drain(ready, empty, first, last, glo, stages, v_stages):
-    for j in range(first, last):
-        t = j - glo
-        yield ("wait", ready[t % stages], (t // stages) & 1)
-        yield ("arrive", empty[t % stages])
-        yield ("wait", ready[stages + t % v_stages], (t // v_stages) & 1)
-        yield ("arrive", empty[stages + t % v_stages])
-
-
 def _split_producer(ready, empty, k_slots, v_slots, glo, ghi, stages, v_stages):
     """gluon_forward's `_producer` with K and V in separate rings: K_j, then V_{j-1}."""
     for j in range(glo, ghi + 1):
@@ -120,7 +115,7 @@ def _split_consumer(lo, hi, glo, ghi, ready, empty, k_slots, v_slots, stages, v_
     """gluon_forward's `_consumer` / `_step` with separate rings: K_j released once its q·kᵀ is done, V_{j-1}
     after its p·v, in the same trip; a read spans its wait and its release (`v_early`: a planted release of V_{j-1}
     before its p·v)."""
-    yield from _split_drain(ready, empty, glo, lo, glo, stages, v_stages)
+    yield from _drain(ready, empty, glo, lo, glo, stages, v_stages)
     if hi > lo:
         t = lo - glo
         yield ("wait", ready[t % stages], (t // stages) & 1)
@@ -140,7 +135,7 @@ def _split_consumer(lo, hi, glo, ghi, ready, empty, k_slots, v_slots, stages, v_
             assert v_slots[(t - 1) % v_stages] == j - 1, "a stage reused too early"
             if not v_early:
                 yield ("arrive", empty[v])
-    yield from _split_drain(ready, empty, max(hi, lo), ghi, glo, stages, v_stages)
+    yield from _drain(ready, empty, max(hi, lo), ghi, glo, stages, v_stages)
 
 
 def _dkdv_consumer(lo, hi, glo, ghi, group, ready, empty, slots, stages, slip=0, zero_late=False):
@@ -203,16 +198,23 @@ def dkdv(rng, stages, slip=0, shared_tile=False, zero_late=False):
     return run(agents, rng)
 
 
-@pytest.mark.parametrize("consumers, stages, v_stages", [(2, 4, 0), (3, 3, 0), (3, 3, 3), (2, 2, 2), (2, 2, 3),
-                                                          (3, 1, 1)])
-def test_the_forward_and_dq_rings_never_deadlock(consumers, stages, v_stages):
-    """v_stages 0: one K/V ring (the dQ kernel; the forward at head_dim 64); else separate K and V rings (the
-    forward at 128 and 256), which work even 1-deep: no trip holds two K or two V stages."""
-    from rl_engine.kernels.ops.triton.attention.gluon_forward import SHAPES
+# (consumers, K/V or K stages, V stages): v_stages 0 is one K/V ring (the dQ kernel; the forward at head_dim 64),
+# else separate K and V rings (the forward at 128 and 256), which work even 1-deep: no trip holds two K or two V stages
+RINGS = [(2, 4, 0), (3, 3, 0), (2, 2, 0), (3, 3, 3), (2, 2, 2), (2, 2, 3), (3, 1, 1)]
 
+
+@pytest.mark.parametrize("consumers, stages, v_stages", RINGS)
+def test_the_forward_and_dq_rings_never_deadlock(consumers, stages, v_stages):
     rng = random.Random(consumers * 10 + stages + v_stages)
     assert {forward(rng, consumers, stages, v_stages) for _ in range(3000)} == {"ok"}
-    assert {s[:3] for s in SHAPES.values()} <= {(2, 4, 0), (3, 3, 0), (3, 3, 3), (2, 2, 2)}, "modelled above"
+
+
+def test_the_kernels_rings_are_the_modelled_ones():
+    from rl_engine.kernels.ops.triton.attention.gluon_backward import DQ_SHAPES
+    from rl_engine.kernels.ops.triton.attention.gluon_forward import SHAPES
+
+    kernels = {s[:3] for s in SHAPES.values()} | {(c, s, 0) for c, s, _ in DQ_SHAPES.values()}
+    assert kernels <= set(RINGS), kernels - set(RINGS)
 
 
 def test_the_model_catches_a_value_block_released_before_its_product():
