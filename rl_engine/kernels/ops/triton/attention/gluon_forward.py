@@ -8,7 +8,8 @@ consumer warpgroup, and a 1-warp producer that streams the union of their K/V bl
 buffers by TMA (one ring of K/V stages at head_dim 64, separate K and V rings at 128 and 256: `SHAPES`). A consumer
 issues block j's q·kᵀ and block j-1's p·v together and runs block j's softmax while p·v is in flight (FA3's
 intra-warpgroup overlap; p goes to the tensor cores straight from registers). In the SASS ptxas moves that softmax
-below the wait for p·v (docs/kernels.md), so what overlaps a consumer's softmax is the other warpgroups' MMAs. The
+below the wait for p·v (docs/kernels.md), so what overlaps a consumer's softmax is the other warpgroups' MMAs, except
+where the wait sits in a basic block of its own (head_dim 256, `SHAPES`). The
 per-row arithmetic is flash.py's instruction for instruction and in flash.py's order (its key blocks from the
 sequence's first key, exp2 of an explicit fma, p rounded to bf16 before its products, l a product too (p·1, beside
 p·v), masks by `where`, acc += p·v then acc *= alpha, the KV-split folds with the same fmas, the same accumulator
@@ -51,22 +52,25 @@ RESCALE_ABOVE = gl.constexpr(flash.RESCALE_ABOVE.value)
 NO_WINDOW_C = gl.constexpr(NO_WINDOW)
 BLOCK_M = 64  # rows per consumer warpgroup; keys per block are flash.py's forward BLOCK_N for the head_dim
 # head_dim -> (consumer warpgroups, K ring depth, V ring depth, registers per consumer thread, consumers whose running
-# fold lives in shared memory). V ring depth 0: one ring, a block's K and V in one stage, released after its p·v, so a
-# consumer holds blocks j-1 and j while the producer fills the next. Else K_j's stage is released once its q·kᵀ is
-# done and V_{j-1}'s after its p·v, so the producer refills K a trip earlier: at head_dim 256 that made 64-key blocks
-# (two 32 KiB stages each) 1.06-1.11x faster than the 32-key blocks of one 4-deep ring, where one ring of 64-key
-# blocks was 0.86-0.89x; at 128 1.00-1.06x; at 64 0.94-0.95x, so one ring stays there (same SASS as before)
-# (docs/evidence/h200_probe_fwd_split_rings.log). consumers x 128 x regs + 128 x 24 <= 64 Ki registers, and the
-# CTA's Q tiles, rings and fold buffers fit 227 KiB. Chosen on the H200 (h200_probe_gluon_all_60e5608.log): at
-# head_dim 128 three consumers beat two (the 4-deep ring, 240 registers: 8-10% slower) and FA3's ping-pong of two
-# consumers' MMA issue gained nothing (deleted); ring depth 2 / 3 / 4 within 2% then, a 2-deep one ring 1.22x the
-# time at S = 4k-8k since (h200_probe_fold_cost.log). The folds through the workspace cost 5-7% at S = 4k-8k
-# (no-fold run, same log); two of three in shared memory (all the buffers that fit) gained 2-4%
-# (h200_probe_fold_smem.log).
+# fold lives in shared memory, the wait for p·v apart). V ring depth 0: one ring, a block's K and V in one stage,
+# released after its p·v, so a consumer holds blocks j-1 and j while the producer fills the next. Else K_j's stage is
+# released once its q·kᵀ is done and V_{j-1}'s after its p·v, so the producer refills K a trip earlier: at head_dim 256
+# that made 64-key blocks (two 32 KiB stages each) 1.06-1.11x faster than the 32-key blocks of one 4-deep ring, where
+# one ring of 64-key blocks was 0.86-0.89x; at 128 1.00-1.06x; at 64 0.94-0.95x, so one ring stays there (same SASS as
+# before) (docs/evidence/h200_probe_fwd_split_rings.log). consumers x 128 x regs + 128 x 24 <= 64 Ki registers, and the
+# CTA's Q tiles, rings and fold buffers fit 227 KiB. Chosen on the H200 (h200_probe_gluon_all_60e5608.log): at head_dim
+# 128 three consumers beat two (the 4-deep ring, 240 registers: 8-10% slower) and FA3's ping-pong of two consumers' MMA
+# issue gained nothing (deleted); ring depth 2 / 3 / 4 within 2% then, a 2-deep one ring 1.22x the time at S = 4k-8k
+# since (h200_probe_fold_cost.log). The folds through the workspace cost 5-7% at S = 4k-8k (no-fold run, same log); two
+# of three in shared memory (all the buffers that fit) gained 2-4% (h200_probe_fold_smem.log).
 # Head_dim 64 (any of those forms) was 10-13% slower than flash.py's kernel while both rounded p one element at a
 # time; rounding two at a time, 5-6% faster at S >= 4k, 8% slower at 2k (h200_probe_flash_cvt_gluon_hd64_host.log),
 # and no other ring depth or consumer count faster (h200_probe_host_time.log).
-SHAPES = {64: (3, 3, 0, 160, 3), 128: (3, 3, 3, 160, 2), 256: (2, 2, 2, 240, 0)}
+# The wait for p·v apart, in a basic block of its own: ptxas otherwise hoists it above block j's softmax (it packs
+# the new p into the registers the in-flight p·v reads); apart, all 32 exp2s of a block precede it in the SASS. Worth
+# it only with two consumers, where no third warpgroup's MMAs cover a softmax: head_dim 256 1.04 / 1.08x at S = 4k /
+# 8k, 128 0.96-1.01x, 64 0.94-0.95x (same bits; h200_probe_fwd_isolated_wait.log).
+SHAPES = {64: (3, 3, 0, 160, 3, False), 128: (3, 3, 3, 160, 2, False), 256: (2, 2, 2, 240, 0, True)}
 # l_acc: a consumer's [64, 16] fp32 tile of p·1 (8 registers a thread), each column the row's l.
 L_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
 
@@ -283,8 +287,8 @@ def _keep_fold(T_M, T_L, t_ptr, t_smem, ml_smem, rows_s, rows_ok_s, rows_ok_o, h
 def _step(p_prev, m, l_acc, acc, has_t, j, q_smem, k_bufs, v_bufs, ones, kv_ready, kv_empty, T_M, T_L, t_ptr, t_smem,
           ml_smem, rows_s, rows_ok_s, rows_ok_o, head, stride_lr, q_pos, k_base, kv_len, window, qk_scale, s_zero, glo,
           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, KV_SPLIT: gl.constexpr,
-          MASKED: gl.constexpr,
-          CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, T_SMEM: gl.constexpr):
+          MASKED: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+          T_SMEM: gl.constexpr, WAIT_APART: gl.constexpr):
     """Key block j (not the tile's first): its q·kᵀ and block j-1's p·v and p·1 issued together, block j's
     softmax run while they are in flight (FA3's intra-warpgroup overlap), then acc and l rescaled. The operations
     on a row are flash.py's in flash.py's order: acc += p_{j-1}·v_{j-1}, then acc *= alpha_j (l alike: l_acc
@@ -307,7 +311,15 @@ def _step(p_prev, m, l_acc, acc, has_t, j, q_smem, k_bufs, v_bufs, ones, kv_read
     fresh = ((j * BLOCK_N) % KV_SPLIT) == 0
     m_in = gl.where(fresh, gl.full(m.shape, M_INIT, gl.float32, row_s), m)
     m_new, p_v, alpha = _softmax_block(qk, m_in, j, q_pos, k_base, kv_len, window, qk_scale, BLOCK_N, MASKED, CAUSAL)
-    acc, l_acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_acc, p_prev))
+    if WAIT_APART:  # kv_len >= 0 always: the wait in a basic block of its own, which ptxas leaves below the softmax
+        if kv_len >= 0:
+            acc_w, l_w, p_w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_acc, p_prev))
+        else:
+            acc_w, l_w = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_acc))
+            p_w = p_prev
+        acc, l_acc, p_prev = acc_w, l_w, p_w
+    else:
+        acc, l_acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_acc, p_prev))
     mbarrier.arrive(kv_empty.index(prv_bar), count=1)  # V_{j-1} is read (with one ring, its K too)
     if fresh:  # block j-1 ended a split: fold it, this block starts the next
         m_t, l_t, acc_t = _fold(T_M, T_L, t_ptr, t_smem, ml_smem, rows_s, rows_ok_s, rows_ok_o, head, stride_lr,
@@ -327,7 +339,8 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, ones, t_smem, ml_smem, kv_ready, kv
               stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0, q_count, q_pos0,
               first_q, kv_len, window, lo_b, mid_b, hi_b, glo, ghi,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              V_STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr, T_SMEM: gl.constexpr):
+              V_STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr, T_SMEM: gl.constexpr,
+              WAIT_APART: gl.constexpr):
     """One 64-row query tile on one warpgroup: key blocks [lo_b, mid_b) unmasked, [mid_b, hi_b) masked,
     each block's softmax overlapping the previous block's p·v (`_step`); the other blocks of the CTA's ring
     drained. A split's state is folded into the tile's running fold (in t_smem / ml_smem when T_SMEM, else in
@@ -379,13 +392,13 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, ones, t_smem, ml_smem, kv_ready, kv
                                                kv_ready, kv_empty, T_M, T_L, t_ptr, t_smem, ml_smem, rows_s,
                                                rows_ok_s, rows_ok_o, head, stride_lr, q_pos, k_base, kv_len, window,
                                                qk_scale, s_zero, glo, BLOCK_N, STAGES, V_STAGES, KV_SPLIT, False,
-                                               CAUSAL, s_layout, o_layout, T_SMEM)
+                                               CAUSAL, s_layout, o_layout, T_SMEM, WAIT_APART)
         for j in range(u, hi_b):  # masked blocks
             m, l_acc, acc, p_op, has_t = _step(p_op, m, l_acc, acc, has_t, j, q_smem, k_bufs, v_bufs, ones,
                                                kv_ready, kv_empty, T_M, T_L, t_ptr, t_smem, ml_smem, rows_s,
                                                rows_ok_s, rows_ok_o, head, stride_lr, q_pos, k_base, kv_len, window,
                                                qk_scale, s_zero, glo, BLOCK_N, STAGES, V_STAGES, KV_SPLIT, True, CAUSAL,
-                                               s_layout, o_layout, T_SMEM)
+                                               s_layout, o_layout, T_SMEM, WAIT_APART)
         l_acc = warpgroup_mma(p_op, ones, l_acc, is_async=True)  # the last block's p·1; done by _last_product's wait
         # its p·v; a tail block goes through the Q buffer, free after the tile's last q·kᵀ
         acc = _last_product(p_op, v_bufs, q_smem.slice(0, BLOCK_N), acc, kv_ready, kv_empty, hi_b, glo, kv_len,
@@ -464,7 +477,7 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
                          stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, group,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                          STAGES: gl.constexpr, V_STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
-                         CONSUMERS: gl.constexpr, REGS: gl.constexpr, T_TILES: gl.constexpr):
+                         CONSUMERS: gl.constexpr, REGS: gl.constexpr, T_TILES: gl.constexpr, WAIT_APART: gl.constexpr):
     # grid (cdiv(max q_count, CONSUMERS * 64), Hq, sequences): the last (heaviest) query tiles first, as in
     # flash.py. Under a causal mask CTAs are aligned to the sequence's end, so a CTA with fewer query tiles
     # than consumers is the first, the lightest (a row's bits do not depend on where its tile starts: chunked
@@ -514,11 +527,11 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
             (_consumer, (q0, q_bars.index(0), k_bufs, v_bufs, ones, T0, ML0, kv_ready, kv_empty, O, LSE, T_M,
                          T_L, T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0,
                          q_count, q_pos0, first_q, kv_len, window, lo0, mid0, hi0, glo, ghi, BLOCK_M, BLOCK_N, HEAD_DIM,
-                         STAGES, V_STAGES, CAUSAL, KV_SPLIT, T_TILES > 0)),
+                         STAGES, V_STAGES, CAUSAL, KV_SPLIT, T_TILES > 0, WAIT_APART)),
             (_consumer, (q1, q_bars.index(1), k_bufs, v_bufs, ones, T1, ML1, kv_ready, kv_empty, O, LSE, T_M,
                          T_L, T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0,
                          q_count, q_pos0, first_q + BLOCK_M, kv_len, window, lo1, mid1, hi1, glo, ghi, BLOCK_M, BLOCK_N,
-                         HEAD_DIM, STAGES, V_STAGES, CAUSAL, KV_SPLIT, T_TILES > 1)),
+                         HEAD_DIM, STAGES, V_STAGES, CAUSAL, KV_SPLIT, T_TILES > 1, WAIT_APART)),
             (_producer, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col, glo, ghi, BLOCK_N,
                          STAGES, V_STAGES)),
         ], [4, 1], [REGS, 24])
@@ -544,15 +557,15 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
             (_consumer, (q0, q_bars.index(0), k_bufs, v_bufs, ones, T0, ML0, kv_ready, kv_empty, O, LSE, T_M,
                          T_L, T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0,
                          q_count, q_pos0, first_q, kv_len, window, lo0, mid0, hi0, glo, ghi, BLOCK_M, BLOCK_N, HEAD_DIM,
-                         STAGES, V_STAGES, CAUSAL, KV_SPLIT, T_TILES > 2)),
+                         STAGES, V_STAGES, CAUSAL, KV_SPLIT, T_TILES > 2, WAIT_APART)),
             (_consumer, (q1, q_bars.index(1), k_bufs, v_bufs, ones, T1, ML1, kv_ready, kv_empty, O, LSE, T_M,
                          T_L, T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0,
                          q_count, q_pos0, first_q + BLOCK_M, kv_len, window, lo1, mid1, hi1, glo, ghi, BLOCK_M, BLOCK_N,
-                         HEAD_DIM, STAGES, V_STAGES, CAUSAL, KV_SPLIT, T_TILES > 1)),
+                         HEAD_DIM, STAGES, V_STAGES, CAUSAL, KV_SPLIT, T_TILES > 1, WAIT_APART)),
             (_consumer, (q2, q_bars.index(2), k_bufs, v_bufs, ones, T2, ML2, kv_ready, kv_empty, O, LSE, T_M,
                          T_L, T_ACC, stride_or, stride_oh, stride_lr, stride_tr, stride_th, qk_scale, head, q_row0,
                          q_count, q_pos0, first_q + 2 * BLOCK_M, kv_len, window, lo2, mid2, hi2, glo, ghi, BLOCK_M,
-                         BLOCK_N, HEAD_DIM, STAGES, V_STAGES, CAUSAL, KV_SPLIT, T_TILES > 0)),
+                         BLOCK_N, HEAD_DIM, STAGES, V_STAGES, CAUSAL, KV_SPLIT, T_TILES > 0, WAIT_APART)),
             (_producer, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col, glo, ghi, BLOCK_N,
                          STAGES, V_STAGES)),
         ], [4, 4, 1], [REGS, REGS, 24])
@@ -630,7 +643,7 @@ def gluon_forward(q, k, v, table, *, causal: bool, scale: float | None = None):
     if table.num_sequences == 0 or rows == 0:
         return out, lse
     kv_split = attention_config(q.dtype, d).kv_split
-    consumers, stages, v_stages, regs, t_tiles = SHAPES[d]
+    consumers, stages, v_stages, regs, t_tiles, wait_apart = SHAPES[d]
     if table.max_kv_len > kv_split and t_tiles < consumers:  # the running folds kept out of shared memory
         t_m, t_l = torch.empty_like(lse), torch.empty_like(lse)
         t_acc = torch.empty((rows, hq, d), dtype=torch.float32, device=q.device)
@@ -643,7 +656,8 @@ def gluon_forward(q, k, v, table, *, causal: bool, scale: float | None = None):
         row_descriptor(q, BLOCK_M), row_descriptor(k, block_n), row_descriptor(v, block_n), out, lse, t_m, t_l, t_acc,
         table.info, out.stride(0), out.stride(1), lse.stride(0), t_acc.stride(0) if t_acc.dim() == 3 else 0,
         t_acc.stride(1) if t_acc.dim() == 3 else 0, default_scale(d, scale) * LOG2_E, hq // k.shape[1],
-        BLOCK_M, block_n, d, stages, v_stages, causal, kv_split, consumers, regs, t_tiles, num_warps=4)
+        BLOCK_M, block_n, d, stages, v_stages, causal, kv_split, consumers, regs, t_tiles, wait_apart,
+        num_warps=4)
     return out, lse
 
 
@@ -671,7 +685,7 @@ def compile_for_sm90(causal: bool, head_dim: int = 128):
     32/8-head problem."""
     from triton.runtime.jit import MockTensor
 
-    consumers, stages, v_stages, regs, t_tiles = SHAPES[head_dim]
+    consumers, stages, v_stages, regs, t_tiles, wait_apart = SHAPES[head_dim]
     block_n = attention_config(torch.bfloat16, head_dim).forward.block_n
 
     f32 = MockTensor("float32", [8192, 32])
@@ -679,5 +693,5 @@ def compile_for_sm90(causal: bool, head_dim: int = 128):
     args = (desc(BLOCK_M, 32), desc(block_n, 8), desc(block_n, 8), MockTensor("bfloat16", [8192, 32, head_dim]),
             f32, f32, f32, MockTensor("float32", [8192, 32, head_dim]), MockTensor("int32", [4, 6]),
             32 * head_dim, head_dim, 32, 32 * head_dim, head_dim, 0.1, 4,
-            BLOCK_M, block_n, head_dim, stages, v_stages, causal, 2048, consumers, regs, t_tiles)
+            BLOCK_M, block_n, head_dim, stages, v_stages, causal, 2048, consumers, regs, t_tiles, wait_apart)
     return compile_sm90a(gluon_forward_kernel, args)
