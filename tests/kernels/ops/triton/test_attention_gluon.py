@@ -20,10 +20,21 @@ pytestmark = pytest.mark.skipif(not triton.__version__.startswith("3.6."),
 COMPILE = """
 import json, re, sys
 from rl_engine.kernels.ops.triton.attention.gluon_forward import compile_for_sm90
+from rl_engine.kernels.ops.triton.sm90 import sass
 k = compile_for_sm90(causal=sys.argv[1] == "causal", head_dim=int(sys.argv[2]))
 ptx = k.asm["ptx"]
+# per loop of the SASS: the exp2s issued between the wait for q·kᵀ (p·v still in flight) and the wait for p·v
+loops, exp2 = [], None
+for line in sass(k.asm["cubin"]).splitlines():
+    if "WARPGROUP.DEPBAR.LE gsb0, 0x2" in line:
+        exp2 = 0
+    elif exp2 is not None and "MUFU.EX2" in line:
+        exp2 += 1
+    elif exp2 is not None and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
+        loops, exp2 = loops + [exp2], None
 print(json.dumps({"shared": k.metadata.shared, "warps": k.metadata.num_warps, "cubin": len(k.asm["cubin"]),
-                  "wgmma": ptx.count("wgmma.mma_async"), "target": re.findall(r"^\\.target (\\S+)", ptx, re.M)}))
+                  "wgmma": ptx.count("wgmma.mma_async"), "target": re.findall(r"^\\.target (\\S+)", ptx, re.M),
+                  "exp2_before_pv_wait": loops}))
 """
 
 
@@ -86,8 +97,12 @@ def test_compiles_for_the_h200(mask, head_dim):
     assert result["wgmma"] > 0 and result["shared"] <= H200_SHARED_BYTES
     from rl_engine.kernels.ops.triton.attention.gluon_forward import SHAPES
 
-    consumers = SHAPES[head_dim][0]
+    consumers, wait_apart = SHAPES[head_dim][0], SHAPES[head_dim][-1]
     assert result["warps"] == 4 * (consumers + 1), "the consumer warpgroups and a producer warp rounded to a warpgroup"
+    if wait_apart:  # the softmax of block j overlaps block j-1's p·v: all of a 64 x 64 block's 32 exp2s a thread
+        # precede the wait for p·v in every loop (with the wait inline, as at bf81220, ptxas hoisted it: 0 of 32)
+        loops = result["exp2_before_pv_wait"]
+        assert len(loops) >= 2 and all(n == 32 for n in loops), loops
 
 
 # (name, layout, lengths or starts, S, Hq, Hkv, causal, head_dim): each compared with flash.py on the same
