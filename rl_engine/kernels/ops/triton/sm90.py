@@ -269,10 +269,26 @@ def _summary(kernel, registers: bool = False) -> dict:
     if registers:
         summary.update(ptxas_registers(ptx))
     if summary["cubin"]:
+        text = sass(kernel.asm["cubin"])
         # single_bf16_cvt: fp32 -> bf16 conversions one element at a time in the machine code (F2F, on the MUFU
         # pipe beside attention's exp2s), where the paired F2FP (cvt.rn.bf16x2.f32) rounds the same.
-        summary["single_bf16_cvt"] = len(re.findall(r"\bF2F\.BF16\.F32\b", sass(kernel.asm["cubin"])))
+        summary["single_bf16_cvt"] = len(re.findall(r"\bF2F\.BF16\.F32\b", text))
+        summary["exp2_before_pv_wait"] = _exp2_before_pv_wait(text)
     return summary
+
+
+def _exp2_before_pv_wait(text: str) -> list[int]:
+    """Per loop of the Gluon forward's machine code, the exp2s issued between the wait for q·kᵀ (p·v still in
+    flight: `gsb0, 0x2`) and the wait for p·v (`0x0`): how much of a block's softmax overlaps the previous p·v."""
+    loops, exp2 = [], None
+    for line in text.splitlines():
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x2" in line:
+            exp2 = 0
+        elif exp2 is not None and "MUFU.EX2" in line:
+            exp2 += 1
+        elif exp2 is not None and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
+            loops, exp2 = loops + [exp2], None
+    return loops
 
 
 def sass(cubin: bytes) -> str:

@@ -20,21 +20,10 @@ pytestmark = pytest.mark.skipif(not triton.__version__.startswith("3.6."),
 COMPILE = """
 import json, re, sys
 from rl_engine.kernels.ops.triton.attention.gluon_forward import compile_for_sm90
-from rl_engine.kernels.ops.triton.sm90 import sass
+from rl_engine.kernels.ops.triton.sm90 import _summary
 k = compile_for_sm90(causal=sys.argv[1] == "causal", head_dim=int(sys.argv[2]))
-ptx = k.asm["ptx"]
-# per loop of the SASS: the exp2s issued between the wait for q·kᵀ (p·v still in flight) and the wait for p·v
-loops, exp2 = [], None
-for line in sass(k.asm["cubin"]).splitlines():
-    if "WARPGROUP.DEPBAR.LE gsb0, 0x2" in line:
-        exp2 = 0
-    elif exp2 is not None and "MUFU.EX2" in line:
-        exp2 += 1
-    elif exp2 is not None and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
-        loops, exp2 = loops + [exp2], None
-print(json.dumps({"shared": k.metadata.shared, "warps": k.metadata.num_warps, "cubin": len(k.asm["cubin"]),
-                  "wgmma": ptx.count("wgmma.mma_async"), "target": re.findall(r"^\\.target (\\S+)", ptx, re.M),
-                  "exp2_before_pv_wait": loops}))
+print(json.dumps(dict(_summary(k), warps=k.metadata.num_warps,
+                      target=re.findall(r"^\\.target (\\S+)", k.asm["ptx"], re.M))))
 """
 
 
