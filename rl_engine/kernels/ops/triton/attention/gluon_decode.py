@@ -17,6 +17,8 @@ waited for before it releases the slot (K, V, p̃ and alpha at once). At batch 1
 column max the largest part, was the step (docs/evidence/h200_probe_decode_floor.log): one softmax warpgroup ran
 1.05-1.10x the serial walk (h200_probe_decode_ws.log), two 1.22-1.30x the one (h200_probe_decode_two_softmax.log),
 three 1.06-1.09x the two (h200_probe_decode_three_softmax.log), same bits in 14 cases each.
+A warpgroup's column max crosses its four warps through one barrier (`_column_max`; gl.max takes two and a shuffle
+round): 1.05-1.06x at batch 1 x 1k-8k, the same bits (h200_probe_decode_column_max.log).
 Every loop waits for the products it issues: with products in flight across a loop's back edge (or out of a branch)
 ptxas serialised every wgmma (C7514/C7515; docs/evidence/h200_probe_decode_gluon.log). A program may take a part of
 the head dim (D_PARTS: accᵀ's rows are independent), so a batch-1 step has 16-64 programs instead of 8-32. A KV-cache
@@ -95,6 +97,33 @@ def _masked(s, t, k_base, b0, q_pos, kv_len, window, BLOCK_N: gl.constexpr, CAUS
     return gl.where(visible, s, float("-inf"))
 
 
+@triton.constexpr_function
+def _warp_rows_layout(qn):
+    """The wgmma layout of scores [64, qn] (4 warps, 16 rows each) seen as [4 warps, 16 rows, qn]."""
+    return gl.DistributedLinearLayout(reg_bases=[[0, 0, 1], [0, 8, 0]] + ([[0, 0, 8]] if qn == 16 else []),
+                                      lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+                                      warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, qn])
+
+
+@triton.constexpr_function
+def _warp_maxima_layout(qn):
+    """[4 warps, qn] column maxima, every thread holding all four of its columns' (the wgmma layout's columns)."""
+    return gl.DistributedLinearLayout(reg_bases=[[1, 0], [2, 0], [0, 1]] + ([[0, 8]] if qn == 16 else []),
+                                      lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
+                                      warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, qn])
+
+
+@gluon.jit
+def _column_max(s, maxima_smem, QN: gl.constexpr):
+    """Column maxima of block scores [64, QN] in the wgmma layout (warp w holds rows 16w..16w+15): each warp's own by
+    shuffles, then the four exchanged through shared memory across one barrier (gl.max across warps takes two and
+    another shuffle round). A maximum does not depend on the order: the same values as gl.max(s, 0)."""
+    per_warp = gl.max(gl.convert_layout(gl.reshape(s, [4, 16, QN]), _warp_rows_layout(QN), assert_trivial=True), 1)
+    maxima_smem.store(per_warp)
+    col_l: gl.constexpr = gl.SliceLayout(0, s.type.layout)
+    return gl.convert_layout(gl.max(maxima_smem.load(_warp_maxima_layout(QN)), 0), col_l)
+
+
 @gluon.jit
 def _lazy(s, s_max, m, qk_scale):
     """(m_new, alpha, p̃ in bf16) of a masked block whose column maxima are s_max."""
@@ -143,7 +172,7 @@ def _loader(desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, b0, first, n, k_
 
 
 @gluon.jit
-def _softmax(q_smem, k_bufs, v_bufs, p_bufs, a_bufs, m_smem, kv_ready, p_ready, m_ready, b0, n, q_pos0,
+def _softmax(q_smem, k_bufs, v_bufs, p_bufs, a_bufs, m_smem, maxima_smem, kv_ready, p_ready, m_ready, b0, n, q_pos0,
              q_per_head, kv_len, window, qk_scale, FIRST: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              QN: gl.constexpr, CAUSAL: gl.constexpr):
     """One of SOFTMAX_GROUPS warpgroups that run ahead of the accumulator, on blocks FIRST, FIRST + SOFTMAX_GROUPS, …:
@@ -163,7 +192,7 @@ def _softmax(q_smem, k_bufs, v_bufs, p_bufs, a_bufs, m_smem, kv_ready, p_ready, 
         _arrived(kv_ready, t, STAGES)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(k_bufs, q_t, s_zero, t, STAGES), ))
         s = _masked(s, t, k_base, b0, q_pos, kv_len, window, BLOCK_N, CAUSAL)
-        s_max = gl.max(s, 0)
+        s_max = _column_max(s, maxima_smem.index(FIRST), QN)
         mbarrier.wait(m_ready.index(t % 2), (t // 2) & 1)  # block t - 1's m, from the other warpgroup
         m, alpha, p = _lazy(s, s_max, m_smem.index(t % 2).load(col_l), qk_scale)
         m_smem.index((t + 1) % 2).store(m)
@@ -248,6 +277,9 @@ def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
     a_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, QN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     # block t - 1's m in slot t % 2, for block t's softmax (M_INIT for block 0)
     m_smem = gl.allocate_shared_memory(gl.float32, [2, QN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    # each softmax warpgroup's per-warp column maxima of its block (_column_max)
+    maxima_smem = gl.allocate_shared_memory(gl.float32, [SOFTMAX_GROUPS, 4, QN],
+                                            gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -290,12 +322,12 @@ def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
     acc = gl.zeros([DV, QN], gl.float32, mma)
     m, l_t, acc = gl.warp_specialize([
         (_accumulate, (v_bufs, p_bufs, a_bufs, m_smem, kv_empty, p_ready, m_ready, l_t, acc, n, STAGES)),
-        (_softmax, (q_smem, k_bufs, v_bufs, p_bufs, a_bufs, m_smem, kv_ready, p_ready, m_ready, b0, n, q_pos0,
-                    q_per_head, kv_len, window, qk_scale, 0, BLOCK_N, STAGES, QN, CAUSAL)),
-        (_softmax, (q_smem, k_bufs, v_bufs, p_bufs, a_bufs, m_smem, kv_ready, p_ready, m_ready, b0, n, q_pos0,
-                    q_per_head, kv_len, window, qk_scale, 1, BLOCK_N, STAGES, QN, CAUSAL)),
-        (_softmax, (q_smem, k_bufs, v_bufs, p_bufs, a_bufs, m_smem, kv_ready, p_ready, m_ready, b0, n, q_pos0,
-                    q_per_head, kv_len, window, qk_scale, 2, BLOCK_N, STAGES, QN, CAUSAL)),
+        (_softmax, (q_smem, k_bufs, v_bufs, p_bufs, a_bufs, m_smem, maxima_smem, kv_ready, p_ready, m_ready, b0, n,
+                    q_pos0, q_per_head, kv_len, window, qk_scale, 0, BLOCK_N, STAGES, QN, CAUSAL)),
+        (_softmax, (q_smem, k_bufs, v_bufs, p_bufs, a_bufs, m_smem, maxima_smem, kv_ready, p_ready, m_ready, b0, n,
+                    q_pos0, q_per_head, kv_len, window, qk_scale, 1, BLOCK_N, STAGES, QN, CAUSAL)),
+        (_softmax, (q_smem, k_bufs, v_bufs, p_bufs, a_bufs, m_smem, maxima_smem, kv_ready, p_ready, m_ready, b0, n,
+                    q_pos0, q_per_head, kv_len, window, qk_scale, 2, BLOCK_N, STAGES, QN, CAUSAL)),
         (_loader, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, b0, filled, n, k_row0, k_col, v_col,
                    BLOCK_N, STAGES)),
     ], [4, 4, 4, 1], [SOFTMAX_REGS, SOFTMAX_REGS, SOFTMAX_REGS, 24])
