@@ -154,19 +154,24 @@ def lm_head_gemm(tokens: int, vocab: int, hidden: int, dtype=torch.bfloat16) -> 
 
 
 def paired_ratio(fn: Callable[[], object], reference: Callable[[], object], *, pairs: int = 2,
-                 warmup: int = 25, rep: int = 100) -> tuple[float, float]:
+                 warmup: int = 25, rep: int = 100,
+                 timer: Callable[[Callable[[], object]], float] | None = None) -> tuple[float, float]:
     """(fn's median ms, fn's time over reference's): the two timed back to back in alternating order
     (ABBA), `pairs` times each way, the ratio the median of the per-pair ratios. On the H200 the second
     of two back-to-back timings of one configuration ran ~3% slower (2026-12-01), so a reference timed
-    once, before everything it judges, biases every ratio against it by about as much as a goal's margin."""
+    once, before everything it judges, biases every ratio against it by about as much as a goal's margin.
+    timer(callable) -> ms replaces bench_ms (e.g. CUDA-graph replays)."""
+    def time(f):
+        return timer(f) if timer else bench_ms(f, warmup=warmup, rep=rep)
+
     times, ratios = [], []
     for i in range(2 * pairs):
         if i % 2 == 0:
-            a = bench_ms(fn, warmup=warmup, rep=rep)
-            b = bench_ms(reference, warmup=warmup, rep=rep)
+            a = time(fn)
+            b = time(reference)
         else:
-            b = bench_ms(reference, warmup=warmup, rep=rep)
-            a = bench_ms(fn, warmup=warmup, rep=rep)
+            b = time(reference)
+            a = time(fn)
         times.append(a)
         ratios.append(a / b)
     return statistics.median(times), statistics.median(ratios)

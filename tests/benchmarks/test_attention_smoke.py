@@ -147,6 +147,25 @@ def test_goals_are_marked_met_or_missed(bench):
     assert bench.decode_goal({"batch": 4, "cached": 8192, "triton_pct_copy": 90.0}) == (None, "n/a")
 
 
+def test_the_batch1_decode_goal_ratio_comes_from_graphs_in_abba_pairs(bench):
+    """graph_ratio_in_pairs: SDPA's graph time over ours, both through timer.graph_ms in alternating order, so a
+    bias of whichever graph is timed second cancels. Planted: one timing each, ours first (what decode_rows' single
+    timings do) reads the same bias as a 10% faster step."""
+    order = []
+
+    class BiasedGraphs:
+        def graph_ms(self, fn):  # ours 12 us, SDPA 7.2 us; the second of each back-to-back pair 10% slower
+            order.append(fn())
+            return {"ours": 0.012, "sdpa": 0.0072}[order[-1]] * (1.10 if len(order) % 2 == 0 else 1.0)
+
+    timer = BiasedGraphs()
+    ratio = bench.graph_ratio_in_pairs(lambda *a: "ours", lambda *a: "sdpa", (), timer)["ratio"]
+    assert order[:4] == ["ours", "sdpa", "sdpa", "ours"] and abs(ratio - 0.6) < 0.005
+    order.clear()
+    single = timer.graph_ms(lambda: "sdpa") / timer.graph_ms(lambda: "ours")
+    assert abs(single - 0.6) > 0.04
+
+
 def test_the_ratio_panel_draws_both_goals(bench, monkeypatch, tmp_path):
     drawn = {}
     monkeypatch.setattr(bench, "save_plot", lambda out, name, panels: drawn.setdefault("panels", panels))
