@@ -161,17 +161,15 @@ def paired_ratio(fn: Callable[[], object], reference: Callable[[], object], *, p
     of two back-to-back timings of one configuration ran ~3% slower (2026-12-01), so a reference timed
     once, before everything it judges, biases every ratio against it by about as much as a goal's margin.
     timer(callable) -> ms replaces bench_ms (e.g. CUDA-graph replays)."""
-    def time(f):
-        return timer(f) if timer else bench_ms(f, warmup=warmup, rep=rep)
-
+    timer = timer or (lambda f: bench_ms(f, warmup=warmup, rep=rep))
     times, ratios = [], []
     for i in range(2 * pairs):
         if i % 2 == 0:
-            a = time(fn)
-            b = time(reference)
+            a = timer(fn)
+            b = timer(reference)
         else:
-            b = time(reference)
-            a = time(fn)
+            b = timer(reference)
+            a = timer(fn)
         times.append(a)
         ratios.append(a / b)
     return statistics.median(times), statistics.median(ratios)

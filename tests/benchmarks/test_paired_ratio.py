@@ -22,17 +22,3 @@ def test_alternating_order_cancels_a_second_runner_bias(load_benchmark, monkeypa
     naive = biased_bench_ms(lambda: "ours") / naive
     assert abs(naive / 4.3 - 1) > 0.02
 
-
-def test_a_given_timer_is_alternated_too(load_benchmark):
-    """timer= (the decode goal passes CUDA-graph replays) takes bench_ms's place, in the same ABBA order."""
-    common = load_benchmark("common")
-    true_ms = {"ours": 0.012, "sdpa": 0.0072}
-    calls = []
-
-    def biased_graph_ms(fn):  # the second of each back-to-back pair runs 10% slower
-        calls.append(fn())
-        return true_ms[calls[-1]] * (1.10 if len(calls) % 2 == 0 else 1.0)
-
-    ms, ratio = common.paired_ratio(lambda: "ours", lambda: "sdpa", pairs=2, timer=biased_graph_ms)
-    assert calls == ["ours", "sdpa", "sdpa", "ours", "ours", "sdpa", "sdpa", "ours"]
-    assert abs(ratio / (0.012 / 0.0072) - 1) < 0.01  # the median of r·1.1 and r/1.1: within 0.5% of r
