@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import NoReturn
 
+from rl_engine import __version__
 from rl_engine.errors import Terminated, UsageError
 
 SUBCOMMANDS = {
@@ -146,6 +147,7 @@ def out_of_memory_message(exc: BaseException) -> str | None:
 def _build_parser() -> tuple[argparse.ArgumentParser, dict]:
     """The parser, and command -> (module, its subparser)."""
     parser = ArgumentParser(prog="rl-engine", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"rl-engine {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     modules = {}
     for name, (module_path, help_text) in SUBCOMMANDS.items():

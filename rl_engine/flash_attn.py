@@ -24,8 +24,8 @@ import torch
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
 
-def _refuse_unsupported(dropout_p=0.0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                        return_attn_probs=False) -> None:
+def _refuse_unsupported(dropout_p: float = 0.0, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                        alibi_slopes: torch.Tensor | None = None, return_attn_probs: bool = False) -> None:
     if dropout_p:
         raise ValueError(f"dropout_p: attention dropout is not supported (got {dropout_p}); RL training uses 0")
     if tuple(window_size) != (-1, -1):
@@ -38,8 +38,11 @@ def _refuse_unsupported(dropout_p=0.0, window_size=(-1, -1), softcap=0.0, alibi_
         raise ValueError("return_attn_probs: not supported (the kernel never materialises probabilities)")
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                    softmax_scale: float | None = None, causal: bool = False,
+                    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                    return_attn_probs: bool = False) -> torch.Tensor:
     """out [B,S,Hq,D] = attention over q, k, v [B,S,H,D] (deterministic whatever `deterministic` says)."""
     from rl_engine.kernels.ops.triton.attention.attention import triton_attention
 
@@ -50,9 +53,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     return triton_attention(q, k, v, causal=causal, scale=softmax_scale)
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                           softmax_scale: float | None = None, causal: bool = False,
+                           window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                           return_attn_probs: bool = False, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """out [T,Hq,D] for sequences packed along dim 0 of q, k, v [T,H,D], bounded by cu_seqlens [N+1] (int32)."""
     from rl_engine.kernels.ops.triton.attention.attention import triton_attention
 
@@ -69,10 +75,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 
 @torch.no_grad()
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
-                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                            rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
+                            cache_seqlens: int | torch.Tensor | None = None,
+                            cache_batch_idx: torch.Tensor | None = None, cache_leftpad: torch.Tensor | None = None,
+                            block_table: torch.Tensor | None = None, softmax_scale: float | None = None,
+                            causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                            rotary_interleaved: bool = True, alibi_slopes: torch.Tensor | None = None,
+                            num_splits: int = 0, return_softmax_lse: bool = False) -> torch.Tensor:
     """out [B,Sq,Hq,D]: q [B,Sq,Hq,D] against the cache, after writing k, v [B,Sq,Hkv,D] (if given) at
     positions cache_seqlens[b] .. + Sq. Cache: [B,Smax,Hkv,D], or pages [num_blocks,page,Hkv,D] with
     block_table [B,max_blocks]. Query i of row b sits at position (cached length) - Sq + i, as in

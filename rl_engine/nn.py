@@ -41,7 +41,8 @@ class _OpModule(nn.Module):
 class RMSNorm(_OpModule):
     """y = x / sqrt(mean(x^2) + eps) * weight over the last dim (transformers' *RMSNorm)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, profile="triton_bf16", node="norm"):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *,
+                 profile: str | ProfileOps = "triton_bf16", node: str = "norm"):
         super().__init__(profile, node)
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
@@ -57,8 +58,8 @@ class RMSNorm(_OpModule):
 class Linear(_OpModule):
     """y = x @ weight.T (+ bias), the matmul op (batch invariant under the triton profile)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, profile="triton_bf16",
-                 node="linear"):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *,
+                 profile: str | ProfileOps = "triton_bf16", node: str = "linear"):
         super().__init__(profile, node)
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
@@ -73,7 +74,8 @@ class Linear(_OpModule):
 class GatedMLP(_OpModule):
     """down_proj(silu(gate_proj(x)) * up_proj(x)) with the swiglu op (transformers' *MLP)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, profile="triton_bf16", node="mlp"):
+    def __init__(self, hidden_size: int, intermediate_size: int, *,
+                 profile: str | ProfileOps = "triton_bf16", node: str = "mlp"):
         super().__init__(profile, node)
         ops = self.ops
         self.gate_proj = Linear(hidden_size, intermediate_size, profile=ops, node=f"{node}.gate_proj")
@@ -88,7 +90,8 @@ class GatedMLP(_OpModule):
 class RotaryEmbedding(_OpModule):
     """RoPE of x [B,S,H,D] at positions [B,S]: from theta, or from a given fp32 `inv_freq` [D/2] (Llama 3)."""
 
-    def __init__(self, theta: float, inv_freq: torch.Tensor | None = None, *, profile="triton_bf16", node="rope"):
+    def __init__(self, theta: float, inv_freq: torch.Tensor | None = None, *,
+                 profile: str | ProfileOps = "triton_bf16", node: str = "rope"):
         super().__init__(profile, node)
         self.theta = theta
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -109,9 +112,10 @@ class Attention(_OpModule):
     the cache (chunked prefill, decode), without it through plain attention (prompt prefill).
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, qkv_bias=False,
-                 qk_norm=False, rms_norm_eps=1e-6, rope_theta=1e6, inv_freq=None, profile="triton_bf16",
-                 node="self_attn"):
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                 qkv_bias: bool = False, qk_norm: bool = False, rms_norm_eps: float = 1e-6, rope_theta: float = 1e6,
+                 inv_freq: torch.Tensor | None = None, profile: str | ProfileOps = "triton_bf16",
+                 node: str = "self_attn"):
         super().__init__(profile, node)
         ops = self.ops
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -148,8 +152,9 @@ class Attention(_OpModule):
         b, s = a.shape[0], a.shape[1]
         return self.o_proj(a.reshape(b, s, self.num_heads * self.head_dim))
 
-    def forward(self, hidden_states, positions, *, seq_starts=None, cu_seqlens=None, k_cache=None, v_cache=None,
-                cache_seqlens=None):
+    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor, *, seq_starts: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
+                v_cache: torch.Tensor | None = None, cache_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self.project(hidden_states, positions)
         if k_cache is not None:
             rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(positions)
@@ -166,7 +171,8 @@ class LmHead(_OpModule):
     """logits [B,S,V] = hidden @ weight.T by the lm_head op (batch invariant under the triton profile): the
     logits transformers' `generate` picks tokens from, the same bits rl_engine's rollout engine samples from."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, *, profile="triton_bf16", node="lm_head"):
+    def __init__(self, hidden_size: int, vocab_size: int, *,
+                 profile: str | ProfileOps = "triton_bf16", node: str = "lm_head"):
         super().__init__(profile, node)
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
 
@@ -178,7 +184,8 @@ class SelectedLogprobHead(_OpModule):
     """fp32 log p(target_ids | hidden) through lm_head, by the linear_logp op: the [.., V] logits are never
     materialised under the triton profile (the torch profile materialises them: that is what it measures)."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, *, profile="triton_bf16", node="logp"):
+    def __init__(self, hidden_size: int, vocab_size: int, *,
+                 profile: str | ProfileOps = "triton_bf16", node: str = "logp"):
         super().__init__(profile, node)
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
 

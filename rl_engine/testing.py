@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -14,18 +16,18 @@ from rl_engine.kernels.gtest.tolerance import load_contract
 
 def assert_operator_matches(
     op: str,
-    candidate_fn,
+    candidate_fn: Callable[..., Any] | str,
     *,
-    dtype,
-    device,
+    dtype: str | torch.dtype,
+    device: str | torch.device,
     check_grad: bool = True,
     check_invariance: bool = True,
     arch_key: str | None = None,
-    contract=None,
+    contract: str | dict | None = None,
     seed: int = 0,
     input_mode: str = "random",
     grad_mode: str = "random",
-    **dims,
+    **dims: int,
 ):
     """Check `candidate_fn(**inputs)` against the gold of `op`; raise AssertionError with the report text.
 

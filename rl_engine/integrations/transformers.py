@@ -50,7 +50,7 @@ def _register_mask_function() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, flash_attention_mask)
 
 
-def check(model, profile: str) -> ModelConfig:
+def check(model: nn.Module, profile: str) -> ModelConfig:
     """The ModelConfig the patched model computes, or a UsageError (one line) saying why it cannot be patched."""
     name = type(model).__name__
     if name not in SUPPORTED:
@@ -78,7 +78,7 @@ def _share(ours: nn.Module, theirs: nn.Module, names) -> nn.Module:
     return ours
 
 
-def patch(model, profile: str = "triton_bf16") -> None:
+def patch(model: nn.Module, profile: str = "triton_bf16") -> None:
     """Make `model` (Qwen3/Qwen2/LlamaForCausalLM) compute with rl_engine's ops under `profile`, in place."""
     config = check(model, profile)
     family = get_family(config.family)
@@ -133,7 +133,7 @@ def patch(model, profile: str = "triton_bf16") -> None:
     model.config._attn_implementation = ATTN_IMPLEMENTATION
 
 
-def unpatch(model) -> None:
+def unpatch(model: nn.Module) -> None:
     """Put back the modules `patch` replaced (their parameters are the ones the patched model trained)."""
     state = getattr(model, "_rl_engine_patch", None)
     if state is None:
@@ -229,7 +229,9 @@ class _HfAttention(Attention):
         return self.output(self.attend(q, k, v, **layout)), None
 
 
-def selected_logprobs(model, input_ids, target_ids=None, attention_mask=None, position_ids=None, cu_seqlens=None):
+def selected_logprobs(model: nn.Module, input_ids: torch.Tensor, target_ids: torch.Tensor | None = None,
+                      attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                      cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 log-probabilities of the selected tokens through a patched model, without materialising logits
     (under the triton profile).
 

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from rl_engine.kernels.ops.pytorch.loss.linear_policy_loss import (
     LOSS_AGG_MODES,
     POLICY_LOSSES,
@@ -17,10 +19,14 @@ from rl_engine.kernels.ops.pytorch.loss.linear_policy_loss import (
 BACKENDS = ("triton", "pytorch")
 
 
-def linear_policy_loss(hidden, lm_head_weight, target_ids, advantages, old_logprobs, mask=None, ref_logprobs=None,
-                       *, policy_loss="ppo", clip_ratio_low=0.2, clip_ratio_high=None, clip_ratio_c=3.0,
-                       loss_agg_mode=None, kl_coef=0.0, entropy_coef=0.0, temperature=1.0, compute_entropy=False,
-                       normalizer=None, backend="triton"):
+def linear_policy_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, target_ids: torch.Tensor,
+                       advantages: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor | None = None,
+                       ref_logprobs: torch.Tensor | None = None, *, policy_loss: str = "ppo",
+                       clip_ratio_low: float = 0.2, clip_ratio_high: float | None = None, clip_ratio_c: float = 3.0,
+                       loss_agg_mode: str | None = None, kl_coef: float = 0.0, entropy_coef: float = 0.0,
+                       temperature: float = 1.0, compute_entropy: bool = False,
+                       normalizer: float | torch.Tensor | None = None,
+                       backend: str = "triton") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss, metrics) of a GRPO/PPO/DAPO/GSPO policy loss on hidden [N,H] or [B,T,H] @ lm_head_weight [V,H]^T.
 
     policy_loss: "ppo" (token ratio, clip [1 - clip_ratio_low, 1 + clip_ratio_high], dual clip

@@ -101,7 +101,7 @@ class EngineStats:
 
 
 class RolloutEngine:
-    def __init__(self, model, *, max_batch_size: int = 8, chunk_size: int = 16, page_size: int = 16,
+    def __init__(self, model: torch.nn.Module, *, max_batch_size: int = 8, chunk_size: int = 16, page_size: int = 16,
                  num_pages: int = 256, cuda_graphs: bool | None = None):
         """cuda_graphs: replay decode steps from CUDA graphs. None: on for a dense model on a GPU. True on a
         CPU runs the graphs' padded static path without capture (what the CPU tests check)."""
