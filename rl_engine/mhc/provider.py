@@ -72,29 +72,36 @@ for _name in OPERATORS:
 def check_capability(provider, contract: LayerContract) -> None:
     """Raise UsageError (one line) unless `provider` declares the contract's fusion mode, trainability
     and placement, and implements every operator the contract needs. Runs no operator."""
+    name = getattr(provider, "class_name", None) or type(provider).__name__  # an isolated provider's own class
     try:
         declared = provider.capabilities()
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - a provider that cannot say what it does declares nothing
-        raise UsageError(f"{type(provider).__name__}.capabilities() raised {type(exc).__name__}: {exc}") from exc
+        raise UsageError(f"{name}.capabilities() raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(declared, dict):
-        raise UsageError(f"{type(provider).__name__}.capabilities() must return a dict, got {type(declared).__name__}")
+        raise UsageError(f"{name}.capabilities() must return a dict, got {type(declared).__name__}")
     for key, field in CAPABILITY_FIELDS.items():
-        want = getattr(contract, field)
-        if want not in (declared.get(key) or ()):
-            raise UsageError(f"{type(provider).__name__} does not declare {field} {want!r} "
+        want, values = getattr(contract, field), declared.get(key)
+        if want not in (values if isinstance(values, (list, tuple, set, frozenset)) else ()):  # a str is no list
+            raise UsageError(f"{name} does not declare {field} {want!r} "
                              f"(capabilities {key}: {declared.get(key)!r})")
     missing = [n for n in operators_for(contract) if not callable(getattr(provider, n, None))]
     if missing:
-        raise UsageError(f"{type(provider).__name__} lacks operator(s) {', '.join(missing)}")
+        raise UsageError(f"{name} lacks operator(s) {', '.join(missing)}")
+
+
+def check_spec(spec: str) -> str:
+    """`spec` has the form 'package.module:ClassName' (nothing is imported); else UsageError."""
+    module_name, sep, class_name = spec.partition(":")
+    if not sep or not module_name or not class_name:
+        raise UsageError(f"provider must be 'module:Class', got {spec!r}")
+    return spec
 
 
 def resolve_provider(spec: str):
     """'package.module:ClassName' → an instance. Any failure is a UsageError with one line."""
-    module_name, sep, class_name = spec.partition(":")
-    if not sep or not module_name or not class_name:
-        raise UsageError(f"provider must be 'module:Class', got {spec!r}")
+    check_spec(spec)
     provider = construct(load_object(spec, "provider"), spec, "provider")
     if not isinstance(provider, MHCProvider):
         raise UsageError(f"{spec} is not an mHC provider (needs numeric_profile and capabilities())")

@@ -321,10 +321,10 @@ class OneNaN(ReferenceProvider):
         return pre, post, res
 
 
-def cli(capsys, provider_class, case="one_row"):
-    """(exit code, last stdout line) of check-p1 on a provider class of this module."""
+def cli(capsys, provider_class, case="one_row", *flags):
+    """(exit code, last stdout line) of check-p1 on a provider class of this module (run in its own process)."""
     capsys.readouterr()
-    code = main(["check-p1", "--provider", f"{__name__}:{provider_class.__name__}", "--cases", case])
+    code = main(["check-p1", "--provider", f"{__name__}:{provider_class.__name__}", "--cases", case, *flags])
     captured = capsys.readouterr()
     assert "Traceback" not in captured.err
     return code, captured.out.strip().splitlines()[-1]
@@ -362,12 +362,18 @@ def test_cli_a_missing_or_unknown_profile_is_a_named_failure(capsys):
     assert code == 1 and "numeric_profile 'fp32-fast', which the contract does not know" in line
 
 
-def test_cli_says_which_judgment_passed(capsys):
+def test_cli_says_which_judgment_passed(capsys, tmp_path):
     code, line = cli(capsys, ReferenceProvider)
     assert code == 0 and line.startswith("check-p1 PASSED bitwise: 1/1 cases")
-    code, line = cli(capsys, RelaxedSinkhorn)
+    code, line = cli(capsys, RelaxedSinkhorn)  # a tolerance pass is not a bitwise pass: exit 1 unless accepted
+    assert code == 1 and line.startswith("check-p1 PASSED under tolerance fp32-relaxed (not bitwise), not accepted "
+                                         "(exit 1; --accept-tolerance accepts it): 1/1 cases")
+    out = tmp_path / "r.json"
+    code, line = cli(capsys, RelaxedSinkhorn, "one_row", "--accept-tolerance", "--json", str(out))
+    report = json.loads(out.read_text())
     assert code == 0 and line.startswith("check-p1 PASSED under tolerance fp32-relaxed (not bitwise): 1/1 cases")
-    code, line = cli(capsys, RelaxedButWrongScale, case="odd_t7")
+    assert report["accepted"] and report["accepted_under"] == "tolerance fp32-relaxed (--accept-tolerance)"
+    code, line = cli(capsys, RelaxedButWrongScale, "odd_t7", "--accept-tolerance")
     assert code == 1 and line.startswith("check-p1 FAILED under tolerance fp32-relaxed (not bitwise): 0/1")
     assert "first boundary outside tolerance fp32-relaxed fwd.sinkhorn.h_post" in line
 
@@ -382,24 +388,31 @@ def test_the_tolerance_comes_from_the_contract(monkeypatch):
     assert not run(RelaxedSinkhorn(), names=("one_row",))["passed"]
 
 
-@pytest.mark.parametrize("provider_class,operator,message", [
-    (ExitsQuietly, "mhc_pre_fwd", "mhc_pre_fwd raised SystemExit: 0"),
-    (RaisesValueError, "mhc_post_bwd", "mhc_post_bwd raised ValueError: bad tile"),
+class ReturnsAString(ReferenceProvider):
+    def mhc_pre_fwd(self, *args):
+        return "u"
+
+
+@pytest.mark.parametrize("provider_class,operator,message,via_cli", [
+    (ExitsQuietly, "mhc_pre_fwd", "mhc_pre_fwd raised SystemExit: 0", True),
+    (RaisesValueError, "mhc_post_bwd", "mhc_post_bwd raised ValueError: bad tile", False),
     (TwoOfThree, "hc_split_sinkhorn_fwd",
-     "hc_split_sinkhorn_fwd returned 2 values, expected 3 (h_pre, h_post, h_res)"),
+     "hc_split_sinkhorn_fwd returned 2 values, expected 3 (h_pre, h_post, h_res)", False),
     (ReturnsNone, "mhc_post_fwd",
-     "mhc_post_fwd output 0 (out): expected [T, n, C] = [1, 4, 128] bfloat16 on cpu, got None"),
+     "mhc_post_fwd output 0 (out): expected [T, n, C] = [1, 4, 128] bfloat16 on cpu, got None", False),
     (WrongShape, "mhc_pre_fwd", "mhc_pre_fwd output 0 (u): expected [T, C] = [1, 128] bfloat16 on cpu, "
-                                "got [1, 127] bfloat16 on cpu"),
-    (WrongDtype, "mhc_pre_fwd", "got [1, 128] float32 on cpu"),
-    (NoWeightGrad, "fp32_gemm_rms_bwd", "fp32_gemm_rms_bwd output 1 (d_phi): expected [N, K] = [24, 512]"),
+                                "got [1, 127] bfloat16 on cpu", True),
+    (WrongDtype, "mhc_pre_fwd", "got [1, 128] float32 on cpu", False),
+    (ReturnsAString, "mhc_pre_fwd", "got a str", False),
+    (NoWeightGrad, "fp32_gemm_rms_bwd", "fp32_gemm_rms_bwd output 1 (d_phi): expected [N, K] = [24, 512]", False),
 ])
-def test_a_misbehaving_operator_fails_the_case_and_is_named(capsys, provider_class, operator, message):
+def test_a_misbehaving_operator_fails_the_case_and_is_named(capsys, provider_class, operator, message, via_cli):
     case = run(provider_class(), names=("one_row",))["cases"][0]
     assert not case["passed"] and case["operator_error"]["operator"] == operator
     assert message in case["failures"][0]
-    code, line = cli(capsys, provider_class)
-    assert code == 1 and line.startswith("check-p1 FAILED bitwise: 0/1 cases") and message in line
+    if via_cli:  # the same message through the provider's own process (each start costs seconds: two cases)
+        code, line = cli(capsys, provider_class)
+        assert code == 1 and line.startswith("check-p1 FAILED bitwise: 0/1 cases") and message in line
 
 
 def test_a_mixer_gradient_may_be_none_when_the_mixer_is_frozen():
@@ -451,3 +464,98 @@ def test_a_single_nan_is_one_element():
 
 def test_no_case_is_not_a_pass():
     assert not check_provider(ReferenceProvider(), [], progress=None)["passed"]
+
+
+# --- the provider runs in its own process: it cannot patch the checker, change its profile or hang it --------
+
+PROFILE_READS = []
+
+
+class ProfileTurnsRelaxed(OnePercentOff):
+    """Strict on the first read, relaxed on every later one; mhc_post 1% off."""
+
+    @property
+    def numeric_profile(self):
+        PROFILE_READS.append(1)
+        return "strict-fp32-v1" if len(PROFILE_READS) == 1 else "fp32-relaxed"
+
+
+class PatchesTheChecker(ReferenceProvider):
+    """Replaces the checker's functions in its own interpreter and returns zeros."""
+
+    def __init__(self):
+        from rl_engine.mhc import acceptance, trace
+
+        passed = {"passed": True, "failures": [], "case": "one_row", "tokens": 1, "hidden": 128}
+        acceptance.check_case = lambda *a, **k: dict(passed)
+        acceptance.compare = trace.compare = lambda a, b: {"equal": True}
+        acceptance.tensor_sha256 = trace.tensor_sha256 = lambda t: "0" * 64
+
+    def mhc_post_fwd(self, *args):
+        return torch.zeros_like(oracle.mhc_post_fwd(*args))
+
+
+class Hangs(ReferenceProvider):
+    def mhc_pre_fwd(self, *args):
+        import time
+        time.sleep(3600)
+
+
+class DiesInAnOperator(ReferenceProvider):
+    def mhc_pre_fwd(self, *args):
+        import os
+        os._exit(7)
+
+
+class RaisesKeyboardInterrupt(ReferenceProvider):
+    def mhc_pre_fwd(self, *args):
+        raise KeyboardInterrupt
+
+
+def test_a_profile_that_changes_after_its_first_read_is_judged_by_the_first(capsys, tmp_path):
+    PROFILE_READS.clear()
+    report = run(ProfileTurnsRelaxed(), names=("one_row",))  # a provider object: read once in this process too
+    assert len(PROFILE_READS) == 1 and report["judgment"].startswith("bitwise") and not report["passed"]
+    out = tmp_path / "r.json"
+    code, line = cli(capsys, ProfileTurnsRelaxed, "one_row", "--json", str(out))
+    report = json.loads(out.read_text())
+    assert code == 1 and line.startswith("check-p1 FAILED bitwise: 0/1 cases")
+    assert report["numeric_profile"] == "strict-fp32-v1" and not report["accepted"]
+    assert report["cases"][0]["first_divergence"]["boundary"] == "fwd.post.out"
+    assert "its own (pid" in report["provider_process"]
+
+
+def test_a_provider_patching_the_checker_patches_only_its_own_process(capsys):
+    from rl_engine.mhc import acceptance, trace
+
+    before = (acceptance.check_case, acceptance.compare, acceptance.tensor_sha256, trace.compare)
+    code, line = cli(capsys, PatchesTheChecker)
+    assert code == 1 and "first diverging boundary fwd.post.out" in line
+    assert (acceptance.check_case, acceptance.compare, acceptance.tensor_sha256, trace.compare) == before
+
+
+def test_a_hung_provider_is_ended_at_the_case_time_limit(capsys):
+    import time
+
+    start = time.monotonic()
+    code, line = cli(capsys, Hangs, "one_row", "--case-timeout", "1.5")
+    assert code == 1 and "no answer within the per-case time limit of 1.5 s" in line
+    assert "mhc_pre_fwd" in line and time.monotonic() - start < 60
+
+
+def test_a_provider_that_dies_or_interrupts_itself_fails_its_case():
+    from rl_engine.mhc.acceptance import check_provider as check
+
+    report = check(f"{__name__}:DiesInAnOperator", [CASES_BY_NAME["one_row"], CASES_BY_NAME["odd_t7"]],
+                   progress=None)
+    assert not report["passed"]
+    assert "the provider's process ended while running mhc_pre_fwd (exit code 7)" in report["cases"][0]["failures"][0]
+    assert report["cases"][1]["failures"][0].startswith("not run: the provider's process ended")
+    case = check(f"{__name__}:RaisesKeyboardInterrupt", [CASES_BY_NAME["one_row"]], progress=None)["cases"][0]
+    assert "mhc_pre_fwd raised KeyboardInterrupt" in case["failures"][0]
+
+
+def test_a_bit_survives_the_trip_from_the_providers_process():
+    report = check_provider(f"{__name__}:OneUlpSinkhorn", [CASES_BY_NAME["odd_t7"]], progress=None)
+    assert not report["passed"] and first(report)["boundary"] == "fwd.sinkhorn.h_res"
+    assert first(report)["max_ulp"] == 1 and first(report)["mismatched"] == 1
