@@ -7,12 +7,25 @@ many tiles exist and which program runs which tile, never the arithmetic of a ti
 are padding that is computed and thrown away. `M` is excluded from Triton's argument
 specialisation so M = 1 (or M % 16 == 0) compiles the same kernel as any other M.
 
+Small M (decode: M = 1..256 rows) reads the weight once and is bound by memory, but the large
+config's 128x256 tiles give only N/256 programs (16 at N = 4096): far too few to stream the weight
+at the device's bandwidth. So a second config, chosen by M, runs small M with narrow N tiles
+(many programs) and deep pipelining. That choice is allowed to depend on M only because it keeps
+every output element's reduction order: the same BLOCK_K, K walked from 0 upwards into one fp32
+accumulator, the same `tl.dot` instruction family (BLOCK_M >= 64 in warpgroups of 4 warps: Hopper's
+wgmma, as the large config; rows past M are padding), no split-K. Only the tile's N width, the
+pipeline depth and the grid change, none of which touches an element's arithmetic. `_make_plan`
+refuses a pair that breaks this; `benchmarks/matmul_small_m.py` proves the bits equal on the GPU.
+A fixed split-K at every M was the other option; it would slow the large-M path (partials).
+
 The kernel is persistent: grid = min(#SMs, #tiles) programs, each looping over tiles with a
 stride of #SMs (grouped ordering for L2 reuse). Two variants share that structure:
 - `_matmul_tma_kernel` loads tiles through host-built TMA tensor descriptors (Hopper; the fast
   path), with either operand allowed to be stored transposed (weight.t(), a.t() in backward);
 - `_matmul_pointer_kernel` loads through arbitrary strides (any layout or alignment).
-Which one runs is fixed by the config table and by (dtype, N, K, b's layout): never by M.
+Which one runs is fixed by the config table and by (dtype, N, K, b's layout): never by M. A
+non-persistent config (`persistent=False`, the small-M one) runs the same kernel with one tile per
+program: its stride between tiles is larger than any tile count.
 
 Host cost: at small M launching can take longer than the GPU's work, so the launch is kept short.
 What depends only on (dtype, N, K, device, config) is worked out once (`_Plan`); the TMA kernel is
@@ -23,7 +36,8 @@ but need a scratch allocator that Triton keeps in a context variable (unset on a
 thread, like the CUDA context below) and change the kernel, so the host descriptors stay.
 
 Under the CPU interpreter bf16/fp16 `tl.dot` is wrong, so `DOT_FP32` upcasts the operands first
-(runtime.dot_fp32); the interpreter also gets its own small fixed config. fp32 operands use
+(runtime.dot_fp32); the interpreter also gets its own small fixed configs (a large-M and a small-M
+one that differ in every field but BLOCK_K, so CPU tests exercise the dispatch). fp32 operands use
 input_precision="ieee" (no TF32).
 """
 
@@ -61,6 +75,16 @@ class MatmulConfig:
     num_warps: int = 8
     num_stages: int = 3
     tma: bool = True
+    persistent: bool = True  # False: one tile per program (grid = #tiles), for configs of many small tiles
+
+
+@dataclasses.dataclass(frozen=True)
+class SmallMConfig:
+    """The config used for M <= max_m instead of the (dtype, N, K) table's: same reduction order, see
+    `check_same_reduction_order`; it changes speed, never bits."""
+
+    max_m: int
+    config: MatmulConfig
 
 
 # The fixed configurations, as data. Key: dtype name, then optional (N, K) overrides for a dtype.
@@ -74,9 +98,25 @@ GPU_CONFIGS: dict[str, MatmulConfig] = {
 }
 GPU_CONFIG_OVERRIDES: dict[tuple[str, int, int], MatmulConfig] = {}
 
+# Small M (decode): the table's config for M <= max_m. Same BLOCK_K and instruction family as the
+# large config (checked); narrow N tiles so that many programs stream the weight. Keyed like the
+# large table: dtype name, then optional (N, K) overrides (None: no small-M config for that shape).
+# `benchmarks/matmul_small_m.py` sweeps candidates on the H200 and prints the lines to paste here.
+SMALL_M_CONFIGS: dict[str, SmallMConfig | None] = {
+    "bfloat16": SmallMConfig(256, MatmulConfig(64, 64, 64, group_m=8, num_warps=4, num_stages=6, persistent=False)),
+    "float16": SmallMConfig(256, MatmulConfig(64, 64, 64, group_m=8, num_warps=4, num_stages=6, persistent=False)),
+    "float32": None,  # ieee fp32 runs on FMA units: compute-bound well below M = 256
+}
+SMALL_M_OVERRIDES: dict[tuple[str, int, int], SmallMConfig | None] = {}
+
 # The interpreter runs every program in Python: small tiles keep CPU tests fast. Still fixed.
 INTERPRETER_CONFIG = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1, tma=False)
 INTERPRETER_PROGRAMS = 4  # stands in for the SM count: several tiles per program, as on the GPU
+# Differs from INTERPRETER_CONFIG in everything the GPU's small-M config may change: tile shape,
+# grouping, grid (one tile per program). BLOCK_K is the same: the reduction order is.
+INTERPRETER_SMALL_M = SmallMConfig(24, MatmulConfig(block_m=32, block_n=8, block_k=16, group_m=1, num_warps=4,
+                                                    num_stages=1, tma=False, persistent=False))
+ONE_TILE_PER_PROGRAM = 1 << 30  # the stride between a non-persistent program's tiles: past any tile count
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CONTINUATION_STAGES = 1  # TMA launches that start from or hand on an fp32 partial (see _launch_tma)
@@ -92,6 +132,38 @@ def matmul_config(dtype: torch.dtype, n: int, k: int) -> MatmulConfig:
         return INTERPRETER_CONFIG
     name = _dtype_name(dtype)
     return GPU_CONFIG_OVERRIDES.get((name, n, k), GPU_CONFIGS[name])
+
+
+def small_m_config(dtype: torch.dtype, n: int, k: int) -> SmallMConfig | None:
+    """The config for small M at (dtype, N, K), or None: then every M runs `matmul_config`'s."""
+    if interpreting():
+        return INTERPRETER_SMALL_M
+    name = _dtype_name(dtype)
+    return SMALL_M_OVERRIDES.get((name, n, k), SMALL_M_CONFIGS[name])
+
+
+def config_at(dtype: torch.dtype, n: int, k: int, m: int) -> MatmulConfig:
+    """The config a product of M rows runs: the small-M one up to its max_m, else the table's."""
+    rule = small_m_config(dtype, n, k)
+    return rule.config if rule is not None and m <= rule.max_m else matmul_config(dtype, n, k)
+
+
+def check_same_reduction_order(large: MatmulConfig, small: MatmulConfig, dtype: torch.dtype, gpu: bool = True) -> None:
+    """ValueError unless a row computed with `small` has the bits of the same row computed with `large`.
+
+    Each output element is one fp32 accumulator walking K from 0 in BLOCK_K steps with `tl.dot`:
+    BLOCK_K fixes the order; the kernel (TMA or pointer loads) and the tensor-core instruction family
+    fix the instructions. On Hopper, Triton emits wgmma for tiles of >= 64 rows in warpgroups of 4
+    warps; smaller tiles may take another MMA. Tile N width, pipelining and grid change no bit
+    (proven on the GPU by benchmarks/matmul_small_m.py). gpu=False (the interpreter): BLOCK_K only.
+    """
+    if small.block_k != large.block_k or small.tma != large.tma:
+        raise ValueError(f"small-M config: BLOCK_K {small.block_k} / tma {small.tma} must equal the large config's "
+                         f"({large.block_k} / {large.tma}): they fix each element's reduction order")
+    wgmma = all(c.block_m % 64 == 0 and c.num_warps % 4 == 0 for c in (large, small))
+    if gpu and dtype in (torch.bfloat16, torch.float16) and not wgmma:
+        raise ValueError(f"small-M config: BLOCK_M {small.block_m} (multiple of 64) and num_warps {small.num_warps} "
+                         "(multiple of 4) keep the large config's wgmma instructions")
 
 
 @triton.jit
@@ -272,6 +344,9 @@ class _Plan:
     # argument binding. Their specialisation is fixed by this plan: descriptors specialise on
     # dtype and block shape only, N and K are the plan's, and M is never specialised.
     tma_kernels: dict = dataclasses.field(default_factory=dict)
+    # The plan for M <= small_max_m (the small-M config: same bits, other tiles), for plans of the table only.
+    small: _Plan | None = None
+    small_max_m: int = 0
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -285,7 +360,10 @@ def _make_plan(dtype: torch.dtype, n: int, k: int, device_index: int, config: Ma
     if cfg.tma:
         for block in ([cfg.block_m, cfg.block_k], [cfg.block_k, cfg.block_n], [cfg.block_m, cfg.block_n]):
             validate_block_shape(block)  # what TensorDescriptor checks, once instead of per call
-    programs = INTERPRETER_PROGRAMS if interp else sm_count(device_index)
+    if not cfg.persistent:
+        programs = ONE_TILE_PER_PROGRAM
+    else:
+        programs = INTERPRETER_PROGRAMS if interp else sm_count(device_index)
     precision = dot_precision(dtype)
     return _Plan(
         config=cfg,
@@ -306,7 +384,12 @@ def _plan(dtype: torch.dtype, n: int, k: int, device_index: int, config: MatmulC
     key = (dtype, n, k, device_index, config)
     plan = _plans.get(key)
     if plan is None:
-        plan = _plans[key] = _make_plan(*key)
+        plan = _make_plan(*key)
+        rule = small_m_config(dtype, n, k) if config is None else None  # an explicit config runs at every M
+        if rule is not None and rule.config != plan.config:
+            check_same_reduction_order(plan.config, rule.config, dtype, gpu=not plan.interpreting)
+            plan.small, plan.small_max_m = _make_plan(dtype, n, k, device_index, rule.config), rule.max_m
+        _plans[key] = plan
     return plan
 
 
@@ -360,8 +443,8 @@ def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig
     """c = a @ b in a's dtype, fp32 accumulation; row i of c depends only on a[i] and b.
 
     a: [M,K], b: [K,N], any strides (b is typically weight.t(): no copy is made).
-    `config` overrides the fixed table: for sweeps, tests, and a K-slice that must run the whole
-    product's tiles (see `continue_mm`), since changing it changes bits.
+    `config` overrides the fixed table at every M (no small-M dispatch; its BLOCK_K fixes the bits):
+    for sweeps, tests, and a K-slice that must run the whole product's tiles (see `continue_mm`).
     init (fp32 [M,N]): the accumulator's start instead of zero. out_fp32: return the unrounded fp32
     accumulator. Together they split one product's K loop over launches without changing a bit.
     out: c is written there (a's dtype, [M,N] rows of stride N: e.g. a weight gradient's vocabulary rows).
@@ -380,6 +463,8 @@ def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig
         c = (init if init is not None else torch.zeros((m, n), dtype=torch.float32, device=a.device)).to(out_dtype)
         return c if out is None else out.copy_(c)
     plan = _plan(a.dtype, n, k, a.get_device(), config)
+    if m <= plan.small_max_m:
+        plan = plan.small  # narrower tiles, more programs: the same reduction order (checked in _plan)
     cfg = plan.config
     if out is not None and not plan.round_on_host:
         c = out
@@ -388,7 +473,8 @@ def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)  # host ceil-div (triton.cdiv is a slow jit call here)
     grid = min(plan.num_programs, tiles)
 
-    # Which kernel runs is decided by the plan and b's layout (a weight's: fixed), never by M.
+    # Which kernel runs is decided by the plan and b's layout (a weight's: fixed), never by M: both
+    # plans of a shape have the same `tma` (checked) and the same 16-byte alignment test.
     b_layout = _row_major_layout(b) if plan.tma else None
     if b_layout is not None and _tma_compatible(b, b_layout[1]):
         a_layout = _row_major_layout(a)

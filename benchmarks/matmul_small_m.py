@@ -1,0 +1,274 @@
+"""Small-M (decode) GEMM on the H200: bits against the large-M path, weight bandwidth, config sweep.
+
+    python benchmarks/matmul_small_m.py --out DIR [--quick] [--no-sweep]
+
+Issue #54's goal: at M = 1..256 the batch-invariant GEMM reads the weights at >= 85% of the device
+copy bandwidth (measured in this run) at the Qwen3-8B shapes, while a row's bits equal those of the
+same row in an M = 4096 product. Three parts, each shape in its own error guard:
+- bits: rows of products of M rows (every M in 1..256 for q/o; M in BATCH for the others, at two
+  row offsets) against the same rows of the M = 4096 product, bitwise; the config each M ran is named;
+- sweep: candidate small-M configs (BLOCK_N x stages x persistent, BLOCK_M = BLOCK_K = 64, 4 warps)
+  timed at SWEEP_BATCH, each checked bitwise against the M = 4096 rows first; the best is printed as
+  the line to paste into matmul.py's SMALL_M_CONFIGS (per-shape SMALL_M_OVERRIDES where one beats it);
+- timing: at each M in BATCH, ours as dispatched (the small-M config up to its max_m), the large-M
+  config forced (what ran before the small-M config), and cuBLAS (torch.matmul) at the same M.
+Timings: triton.testing.do_bench medians, L2 flushed before each call (the weight comes from HBM).
+GB/s counts the weight's bytes only (N*K*2): what a decode step must read; % is of the copy ceiling.
+At M = 256 the product is compute-bound on an H200 (256 flop per weight byte is above the ridge:
+85% of 4.3 TB/s would need ~930 TFLOP/s), so the goal cannot hold there for any implementation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's rl_engine
+
+from common import arg_parser, bench_ms, copy_ceiling, measure, parse_gpu_args, print_table, save_plot, write_json  # noqa: E402,I001
+
+from rl_engine.kernels.ops.triton.linear.matmul import (  # noqa: E402
+    MatmulConfig,
+    batch_invariant_mm,
+    config_at,
+    matmul_config,
+    small_m_config,
+)
+
+# Qwen3-8B (hidden 4096, 32 query / 8 KV heads of 128, intermediate 12288, vocab 151936): (N, K).
+SHAPES = {
+    "q/o": (4096, 4096),
+    "k/v": (1024, 4096),
+    "qkv": (6144, 4096),
+    "gate/up": (12288, 4096),
+    "gate_up": (24576, 4096),
+    "down": (4096, 12288),
+    "lm_head": (151936, 4096),
+}
+QUICK_SHAPES = ["q/o", "k/v", "lm_head"]
+EVERY_M_SHAPE = "q/o"  # the shape whose rows are checked at every M in 1..256
+BATCH = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+FULL_M = 4096  # the large-M product whose rows are the reference
+SWEEP_SHAPES = ["k/v", "q/o", "gate_up", "down", "lm_head"]
+SWEEP_BATCH = [1, 128]
+SWEEP_MARGIN_PCT = 3  # a per-shape override must beat the global choice by this much
+GOAL_PCT_OF_COPY = 85
+DTYPE = torch.bfloat16
+BENCH = {"warmup": 10, "rep": 50}  # do_bench budgets in ms: the whole run must stay under 2 minutes
+
+
+def candidates(quick: bool) -> list[MatmulConfig]:
+    """Small-M candidates: the large config's BLOCK_K and instruction family (BLOCK_M 64, 4 warps)."""
+    block_k = matmul_config(DTYPE, 4096, 4096).block_k
+    grid = [(bn, st, p) for bn in (32, 64, 128) for st in (4, 6, 8) for p in (True, False)]
+    if quick:
+        grid = [(bn, st, p) for bn, st, p in grid if st == 6]
+    return [MatmulConfig(64, bn, block_k, group_m=8, num_warps=4, num_stages=st, persistent=p) for bn, st, p in grid]
+
+
+def label(cfg: MatmulConfig) -> str:
+    grid = "persistent" if cfg.persistent else "one-tile"
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} {grid}"
+
+
+def weight_gbps(n: int, k: int, ms: float) -> float:
+    return n * k * DTYPE.itemsize / (ms * 1e-3) / 1e9
+
+
+def bits_differ(x: torch.Tensor, y: torch.Tensor) -> int:
+    """Elements whose bits differ (raw bits: -0.0 vs 0.0 and NaN payloads count)."""
+    return int((x.view(torch.int16) != y.view(torch.int16)).sum().item())
+
+
+def offsets(m: int) -> list[int]:
+    return [0, FULL_M - m] if m < FULL_M else [0]
+
+
+def check_rows(mm, a: torch.Tensor, b: torch.Tensor, full: torch.Tensor, batch) -> dict:
+    """{M: elements differing from the M = 4096 product's rows, summed over the row offsets}."""
+    return {m: sum(bits_differ(mm(a[s : s + m].clone(), b), full[s : s + m]) for s in offsets(m)) for m in batch}
+
+
+def bench(fn) -> float:
+    return bench_ms(fn, **BENCH)
+
+
+def sweep_shape(name, a, b, full, n, k, configs, copy_gbps) -> list[dict]:
+    rows = []
+    for cfg in configs:
+
+        def run(cfg=cfg):
+            mm = lambda x, y: batch_invariant_mm(x, y, config=cfg)  # noqa: E731
+            differ = check_rows(mm, a, b, full, SWEEP_BATCH)
+            row = {"bits_differ": sum(differ.values())}
+            for m in SWEEP_BATCH:
+                x = a[:m].clone()
+                row[f"ms_m{m}"] = bench(lambda x=x: mm(x, b))
+                if copy_gbps:
+                    row[f"pct_copy_m{m}"] = 100 * weight_gbps(n, k, row[f"ms_m{m}"]) / copy_gbps
+            return row
+
+        row = {"shape": name, "config": label(cfg), **dataclasses.asdict(cfg), **measure(f"{name} {label(cfg)}", run)}
+        rows.append(row)
+    return rows
+
+
+def _score(row: dict) -> float | None:
+    """Geometric mean of a candidate's times over SWEEP_BATCH (None: failed or changed bits)."""
+    times = [row.get(f"ms_m{m}") for m in SWEEP_BATCH]
+    if row.get("bits_differ") != 0 or not all(times):
+        return None
+    return math.prod(times) ** (1 / len(times))
+
+
+def recommend(rows: list[dict], shapes: list[str]) -> dict:
+    """The candidate with the best geometric-mean time over the swept shapes and M, as table lines."""
+    fields = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "tma", "persistent")
+    by_config: dict[str, list[float]] = {}
+    for row in rows:
+        score = _score(row)
+        by_config.setdefault(row["config"], []).append(score)
+    complete = {c: s for c, s in by_config.items() if len(s) == len(shapes) and all(s)}
+    if not complete:
+        return {"choice": "keep the table", "why": "no candidate measured on every swept shape with equal bits"}
+    best = min(complete, key=lambda c: math.prod(complete[c]) ** (1 / len(complete[c])))
+    cfg_of = {r["config"]: {f: r[f] for f in fields} for r in rows}
+    rule = small_m_config(DTYPE, *SHAPES["q/o"])
+    max_m = rule.max_m if rule else max(BATCH)
+    dtype = str(DTYPE).removeprefix("torch.")
+    out = {"best": best, "table_line": f'"{dtype}": SmallMConfig({max_m}, MatmulConfig(**{cfg_of[best]})),',
+           "overrides": []}  # fmt: skip
+    for i, shape in enumerate(shapes):
+        scored = [(r, _score(r)) for r in rows if r["shape"] == shape and _score(r)]
+        base = complete[best][i]
+        top, top_score = min(scored, key=lambda rs: rs[1])
+        if 100 * (base / top_score - 1) >= SWEEP_MARGIN_PCT:
+            n, k = SHAPES[shape]
+            gain = 100 * (base / top_score - 1)
+            line = f'("{dtype}", {n}, {k}): SmallMConfig({max_m}, MatmulConfig(**{cfg_of[top["config"]]})),'
+            out["overrides"].append(f"{line}  # {shape}: {gain:.0f}% faster than the best overall")
+    return out
+
+
+def time_shape(name, a, b, n, k, copy_gbps) -> list[dict]:
+    large = matmul_config(DTYPE, n, k)
+    rows = []
+    for m in BATCH:
+
+        def run(m=m):
+            x = a[:m].clone()
+            ours = bench(lambda: batch_invariant_mm(x, b))
+            before = bench(lambda: batch_invariant_mm(x, b, config=large))
+            cublas = bench(lambda: torch.matmul(x, b))
+            row = {"config": label(config_at(DTYPE, n, k, m)), "ours_ms": ours, "large_cfg_ms": before,
+                   "cublas_ms": cublas}  # fmt: skip
+            for key, ms in (("ours", ours), ("large_cfg", before), ("cublas", cublas)):
+                row[f"{key}_gbps"] = weight_gbps(n, k, ms)
+                if copy_gbps:
+                    row[f"{key}_pct_copy"] = 100 * row[f"{key}_gbps"] / copy_gbps
+            row["speedup_vs_large_cfg"] = before / ours
+            row["pct_of_cublas"] = 100 * cublas / ours
+            return row
+
+        rows.append({"shape": name, "M": m, "N": n, "K": k, **measure(f"{name} M={m}", run)})
+    return rows
+
+
+def run_shape(name: str, args, configs, copy_gbps) -> tuple[dict, list[dict], list[dict]]:
+    n, k = SHAPES[name]
+    w = torch.randn(n, k, device="cuda", dtype=DTYPE) / k**0.5
+    b = w.t()  # a linear layer's weight, read in place
+    a = torch.randn(FULL_M, k, device="cuda", dtype=DTYPE)
+    full = batch_invariant_mm(a, b)
+    bits = {"shape": name, "N": n, "K": k, "full_m_config": label(config_at(DTYPE, n, k, FULL_M))}
+    batch = range(1, max(BATCH) + 1) if name == EVERY_M_SHAPE else BATCH
+    bits.update(measure(f"{name} bits", lambda: {
+        "m_checked": f"{min(batch)}..{max(batch)}" if name == EVERY_M_SHAPE else list(batch),
+        "configs": sorted({label(config_at(DTYPE, n, k, m)) for m in batch}),
+        "differ_by_m": {m: d for m, d in check_rows(batch_invariant_mm, a, b, full, batch).items() if d},
+    }))  # fmt: skip
+    if "differ_by_m" in bits:
+        bits["bitwise"] = not bits["differ_by_m"]
+    sweep = sweep_shape(name, a, b, full, n, k, configs, copy_gbps) if configs and name in SWEEP_SHAPES else []
+    timing = time_shape(name, a, b, n, k, copy_gbps)
+    return bits, sweep, timing
+
+
+def _asdict(cfg) -> dict | None:
+    return dataclasses.asdict(cfg) if cfg is not None else None
+
+
+def main() -> int:
+    parser = arg_parser("small-M batch-invariant GEMM: bits vs M=4096, weight bandwidth, config sweep")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the candidate sweep")
+    args = parse_gpu_args(parser)
+    start = time.perf_counter()
+    copy = measure("device copy", copy_ceiling)
+    copy_gbps = copy.get("gb_per_s")
+    print(f"copy ceiling {copy_gbps} GB/s", flush=True)
+    shapes = QUICK_SHAPES if args.quick else list(SHAPES)
+    configs = [] if args.no_sweep else candidates(args.quick)
+    bits, sweep, timing = [], [], []
+    for name in shapes:
+        print(f"{name}: N={SHAPES[name][0]} K={SHAPES[name][1]}", flush=True)
+        result = measure(name, lambda name=name: dict(zip(("bits", "sweep", "timing"),
+                                                          run_shape(name, args, configs, copy_gbps))))
+        if "error" in result:
+            bits.append({"shape": name, "error": result["error"]})
+            continue
+        bits.append(result["bits"])
+        sweep += result["sweep"]
+        timing += result["timing"]
+        torch.cuda.empty_cache()
+
+    print("\nbits: rows of M-row products vs the same rows of the M = 4096 product")
+    print_table(bits, ["shape", "m_checked", "configs", "full_m_config", "bitwise", "differ_by_m", "error"])
+    if sweep:
+        print("\nsweep (% of copy bandwidth, weight bytes)")
+        print_table(sweep, ["shape", "config", "bits_differ", "ms_m1", "pct_copy_m1", "ms_m128", "pct_copy_m128",
+                            "error"])  # fmt: skip
+    print("\ntiming (% of copy bandwidth, weight bytes)")
+    print_table(timing, ["shape", "M", "config", "ours_ms", "ours_pct_copy", "large_cfg_pct_copy", "cublas_pct_copy",
+                         "speedup_vs_large_cfg", "pct_of_cublas", "error"])  # fmt: skip
+    swept = [s for s in SWEEP_SHAPES if s in shapes]
+    recommendation = recommend(sweep, swept) if sweep else None
+    goal_rows = [r for r in timing if "ours_pct_copy" in r]
+    summary = {
+        "all_rows_bitwise": all(b.get("bitwise") is True for b in bits),
+        "goal_pct_of_copy": GOAL_PCT_OF_COPY,
+        "ms_meeting_goal_by_shape": {s: [r["M"] for r in goal_rows if r["shape"] == s
+                                         and r["ours_pct_copy"] >= GOAL_PCT_OF_COPY] for s in shapes},
+        "min_ours_pct_copy_m_le_64": min((r["ours_pct_copy"] for r in goal_rows if r["M"] <= 64), default=None),
+        "recommendation": recommendation,
+        "seconds": time.perf_counter() - start,
+    }  # fmt: skip
+    print("\nsummary:", summary)
+    if recommendation:
+        print("\npaste into matmul.py SMALL_M_CONFIGS:\n    " + recommendation.get("table_line", "(none)"))
+        for line in recommendation.get("overrides", []):
+            print("SMALL_M_OVERRIDES:\n    " + line)
+    write_json(args.out, "matmul_small_m", {
+        "dtype": str(DTYPE), "copy": copy, "timing_method": f"triton.testing.do_bench median {BENCH}, L2 flushed",
+        "table": {s: {"small_m": _asdict(small_m_config(DTYPE, *SHAPES[s])),
+                      "large": _asdict(matmul_config(DTYPE, *SHAPES[s]))} for s in shapes},
+        "summary": summary, "bits": bits, "sweep": sweep, "timing": timing,
+    })  # fmt: skip
+    save_plot(args.out, "matmul_small_m", [
+        {"title": f"{label}, bf16", "xlabel": "M (tokens)", "ylabel": "% of copy bandwidth (weight bytes)",
+         "x": BATCH, "logy": False, "hline": (GOAL_PCT_OF_COPY, "goal"),
+         "series": {s: [next((r.get(key) for r in timing if r["shape"] == s and r["M"] == m), None) for m in BATCH]
+                    for s in shapes}}
+        for label, key in (("ours", "ours_pct_copy"), ("large-M config", "large_cfg_pct_copy"),
+                           ("cuBLAS", "cublas_pct_copy"))
+    ])  # fmt: skip
+    print(f"done in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
