@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 
 import torch
@@ -19,6 +20,7 @@ from rl_engine.kernels.gtest.tolerance import DTYPES, ContractError, load_contra
 from rl_engine.kernels.records import OPS
 from rl_engine.outputs import check_writable, write_atomic
 
+DEFAULT_CASE_TIMEOUT_S = 600.0
 # flag -> OperatorDims field; the defaults live in OperatorDims, so the flags default to None.
 DIM_FLAGS = {
     "batch": int, "seq": int, "vocab": int, "normalized_dim": int, "intermediate": int, "n_heads": int,
@@ -54,10 +56,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-seed", type=int, default=123, help="seed of the random upstream gradient")
     parser.add_argument("--check-invariance", action="store_true",
                         help="each batch row alone must match the full batch bit for bit")
+    parser.add_argument("--case-timeout", type=float, default=DEFAULT_CASE_TIMEOUT_S, metavar="SECONDS",
+                        help=f"stop a candidate still running a case after this long; it fails "
+                             f"(default {DEFAULT_CASE_TIMEOUT_S:g})")
     parser.add_argument("--contract", default=None, help="tolerance contract JSON (default: the packaged one)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--json-out", default=None, metavar="PATH", help="also write the JSON report to PATH")
     parser.add_argument("--list", action="store_true", help="list the operators and their candidates")
+
+
+SEED_RANGE = (0, 2**64)  # torch.Generator.manual_seed takes a 64-bit unsigned seed
 
 
 def resolve_device(name: str) -> str:
@@ -67,6 +75,8 @@ def resolve_device(name: str) -> str:
         device = torch.device(name)
     except (RuntimeError, ValueError):
         raise UsageError(f"--device: unknown device {name!r}; use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index not in (None, 0)):
+        raise UsageError(f"--device {name}: the checks run on cpu or cuda[:N] only")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise UsageError(f"--device {name}: CUDA was asked for but is not available on this machine")
@@ -116,6 +126,11 @@ def run(args) -> int:
         raise UsageError(f"--input-mode: expected {' or '.join(INPUT_MODES)}, got {args.input_mode!r}")
     if args.grad_mode not in GRAD_MODES:
         raise UsageError(f"--grad-mode: expected {' or '.join(GRAD_MODES)}, got {args.grad_mode!r}")
+    for flag, seed in (("--seed", args.seed), ("--grad-seed", args.grad_seed)):
+        if not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+            raise UsageError(f"{flag}: expected an integer in [0, 2**64), got {seed}")
+    if not (math.isfinite(args.case_timeout) and args.case_timeout > 0):
+        raise UsageError(f"--case-timeout must be a positive number of seconds, got {args.case_timeout:g}")
     if args.token_value < 0:
         raise UsageError(f"--token-value: expected a non-negative id, got {args.token_value}")
     dims = dims_from_args(args)
@@ -139,7 +154,8 @@ def run(args) -> int:
     try:
         report = run_operator_suite(args.op, candidates=[candidate], cases=[case], contract=contract,
                                     check_grad=args.check_grad, grad_mode=args.grad_mode, grad_seed=args.grad_seed,
-                                    check_invariance=args.check_invariance, seed=args.seed)
+                                    check_invariance=args.check_invariance, seed=args.seed,
+                                    case_timeout_s=args.case_timeout)
     except ContractError as exc:  # e.g. a custom contract that lacks this op's class
         raise UsageError(str(exc)) from None
     print(report.to_json() if args.json else report.to_text())

@@ -9,13 +9,21 @@ Invariance: the candidate on the whole batch vs on each batch row alone (every p
 to that row, weights whole) must agree bit for bit. With gradients, the per-row input gradients are
 compared too; weight gradients sum over the batch and are not row-invariant, so they are not.
 
-Failures of the candidate (raises, wrong shape or count, NaN/Inf, no autograd connection) become
-failed output reports; the suite goes on.
+Failures of the candidate (raises anything but KeyboardInterrupt, SystemExit included; wrong shape or
+count, NaN/Inf, no autograd connection) become failed output reports; the suite goes on. With
+`case_timeout_s`, a candidate still running a case after that long is stopped (SIGALRM, main thread
+only) and fails that case; one that cannot be interrupted (stuck in native code) ends the process
+`TIMEOUT_GRACE_S` later with one line on stderr and exit code 1.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +40,50 @@ from rl_engine.kernels.gtest.tolerance import (
 )
 
 GRAD_MODES = ("random", "ones")
+TIMEOUT_GRACE_S = 10.0
+
+
+class CandidateTimeout(BaseException):
+    """A candidate outlasted the per-case time limit. A BaseException, so no `except Exception` in the
+    candidate's own code swallows it."""
+
+
+def _passes_through(exc: BaseException) -> bool:
+    """Exceptions that are not the candidate's failure: the person at the terminal, and the time limit."""
+    return isinstance(exc, (KeyboardInterrupt, CandidateTimeout))
+
+
+def _hard_stop(what: str, seconds: float) -> None:
+    print(f"check-op: {what} did not return within the per-case time limit of {seconds:g} s and could not be "
+          f"interrupted; process ended", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+@contextmanager
+def time_limit(seconds: float | None, what: str) -> Iterator[None]:
+    """Raise CandidateTimeout in the main thread after `seconds` (None, or another thread: no limit)."""
+    if seconds is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from rl_engine.cli import safe_to_raise  # where raising would abort the process (Triton's native frames)
+
+    def alarm(signum, frame):
+        if not safe_to_raise(frame):
+            signal.setitimer(signal.ITIMER_REAL, 0.01)  # again in 10 ms, when the main thread is elsewhere
+            return
+        raise CandidateTimeout(f"{what} exceeded the per-case time limit of {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    watchdog = threading.Timer(seconds + TIMEOUT_GRACE_S, _hard_stop, (what, seconds))
+    watchdog.daemon = True
+    watchdog.start()
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        watchdog.cancel()
 
 
 @dataclass
@@ -113,7 +165,9 @@ def _forward(fn, inputs: dict, grad_names=(), leaf_dtype=None) -> _Run:
     try:
         with torch.enable_grad():
             result = fn(**leaves)
-    except Exception as exc:  # a failing candidate is a finding, not a crash
+    except BaseException as exc:  # noqa: BLE001 - a failing candidate is a finding (SystemExit too), not a crash
+        if _passes_through(exc):
+            raise
         return _Run(error=_one_line(f"candidate raised {type(exc).__name__}: {exc}"))
     outputs = list(result) if isinstance(result, (tuple, list)) else [result]
     for i, out in enumerate(outputs):
@@ -131,7 +185,9 @@ def _backward(run: _Run, upstream: list, grad_names) -> tuple[dict, str | None]:
     try:
         with torch.enable_grad():
             torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
-    except Exception as exc:
+    except BaseException as exc:  # noqa: BLE001 - as in _forward
+        if _passes_through(exc):
+            raise
         return {}, _one_line(f"backward raised {type(exc).__name__}: {exc}")
     grads = {}
     for name in grad_names:
@@ -409,8 +465,10 @@ def run_operator_suite(
     grad_seed: int = 123,
     check_invariance: bool = False,
     seed: int | None = None,
+    case_timeout_s: float | None = None,
 ) -> SuiteReport:
-    """Check every candidate on every case; `contract` is a contract dict (default: the packaged one)."""
+    """Check every candidate on every case; `contract` is a contract dict (default: the packaged one).
+    `case_timeout_s`: the most one candidate may take on one case (see `time_limit`); None: no limit."""
     if grad_mode not in GRAD_MODES:
         raise ValueError(f"grad_mode: expected one of {GRAD_MODES}, got {grad_mode!r}")
     contract = load_contract() if contract is None else contract
@@ -423,10 +481,16 @@ def run_operator_suite(
     for case in cases:
         gold = _Gold(case, check_grad, grad_mode, grad_seed)
         for cand, report in zip(candidates, reports):
-            outputs, run, grads = _check_accuracy(case, cand, gold, contract, check_grad)
+            try:
+                with time_limit(case_timeout_s, f"candidate {cand.name} on case {case.name}"):
+                    outputs, run, grads = _check_accuracy(case, cand, gold, contract, check_grad)
+                    if check_invariance:
+                        outputs += _check_invariance(case, cand, run, grads, gold, contract, check_grad)
+            except CandidateTimeout as exc:
+                tol = resolve_tolerance(contract, judgment="forward_accuracy", op_class=case.op_class,
+                                        dtype=case.dtype, arch_key=cand.arch_key)
+                outputs = [_failed(case.name, 0, "output", tol, str(exc))]
             report.outputs += outputs
-            if check_invariance:
-                report.outputs += _check_invariance(case, cand, run, grads, gold, contract, check_grad)
         batched = case.batched_names()
         if check_invariance and batched and len(case.rows()) < 2:
             notes.append(f"{case.name}: one row, so invariance compares the only row with itself; use batch >= 2")
@@ -437,6 +501,6 @@ def run_operator_suite(
                         f"the gradients of {', '.join(skipped)} sum over the batch and are not compared")
                 notes.append(note)
     settings = {"seed": seed, "check_grad": check_grad, "grad_mode": grad_mode, "grad_seed": grad_seed,
-                "check_invariance": check_invariance}
+                "check_invariance": check_invariance, "case_timeout_s": case_timeout_s}
     return SuiteReport(suite=suite_name, candidates=reports, contract_fingerprint=contract_fingerprint(contract),
                        settings=settings, environment=environment(_device(cases)), notes=notes)

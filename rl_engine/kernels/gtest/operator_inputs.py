@@ -55,10 +55,10 @@ class OperatorDims:
             raise ValueError(f"n_kv_heads: {self.n_kv_heads} must divide n_heads={self.n_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim: rope needs an even head dim, got {self.head_dim}")
-        if not self.theta > 0:
-            raise ValueError(f"theta: expected a positive number, got {self.theta!r}")
-        if not self.eps >= 0:
-            raise ValueError(f"eps: expected a non-negative number, got {self.eps!r}")
+        if not 0 < self.theta < float("inf"):
+            raise ValueError(f"theta: expected a positive finite number, got {self.theta!r}")
+        if not 0 <= self.eps < float("inf"):
+            raise ValueError(f"eps: expected a non-negative finite number, got {self.eps!r}")
 
 
 # Qwen3-8B: hidden 4096, 32 query / 8 KV heads of 128, MLP 12288, vocab 151936. matmul takes the

@@ -26,6 +26,46 @@ def logp_raises(logits, target_ids):
     raise RuntimeError("kernel exploded")
 
 
+def logp_exits(logits, target_ids):
+    raise SystemExit(0)
+
+
+class CandidateGaveUp(BaseException):
+    """Not an Exception: a bare `except Exception` would let it through."""
+
+
+def logp_base_exception(logits, target_ids):
+    raise CandidateGaveUp("no kernel for this shape")
+
+
+def logp_hangs(logits, target_ids):
+    import time
+    time.sleep(3600)
+
+
+def logp_swallows_everything(logits, target_ids):
+    """Hangs, and swallows whatever is raised to stop it."""
+    import time
+    while True:
+        try:
+            time.sleep(3600)
+        except BaseException:  # noqa: BLE001 - the planted bug
+            pass
+
+
+def logp_backward_exits(logits, target_ids):
+    class Exits(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise SystemExit(0)
+
+    return Exits.apply(logp(logits, target_ids))
+
+
 class RefusesToConstruct:
     def __init__(self):
         raise ValueError("no device handle")

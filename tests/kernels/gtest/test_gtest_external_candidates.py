@@ -52,6 +52,44 @@ def test_a_candidate_that_raises_is_a_failed_case(capsys):
     assert "candidate raised RuntimeError: kernel exploded" in out
 
 
+@pytest.mark.parametrize("path,message", [
+    ("external_candidates:logp_exits", "candidate raised SystemExit: 0"),
+    ("external_candidates:logp_base_exception", "candidate raised CandidateGaveUp: no kernel for this shape"),
+])
+def test_a_candidate_that_exits_or_raises_a_base_exception_fails_its_case(capsys, path, message):
+    code, out, err = check_op(capsys, "--candidate", path)
+    assert code == 1 and not err and message in out
+
+
+def test_a_backward_that_exits_fails_its_case(capsys):
+    code, out, err = check_op(capsys, "--candidate", "external_candidates:logp_backward_exits", "--check-grad")
+    assert code == 1 and not err and "backward raised" in out and "SystemExit" in out
+
+
+def test_a_hung_candidate_is_stopped_at_the_case_time_limit(capsys):
+    import time
+
+    start = time.monotonic()
+    code, out, err = check_op(capsys, "--candidate", "external_candidates:logp_hangs", "--case-timeout", "0.5")
+    assert code == 1 and not err and time.monotonic() - start < 30
+    assert "candidate external_candidates:logp_hangs on case logp-fp32-2x2x17 exceeded the per-case time limit " \
+           "of 0.5 s" in out
+
+
+def test_a_candidate_that_swallows_the_stop_ends_the_process_with_one_line():
+    import subprocess
+
+    code = ("import sys; import rl_engine.kernels.gtest.op_checks as o; o.TIMEOUT_GRACE_S = 0.5; "
+            "from rl_engine.cli import main; sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", code, "check-op", "--op", "logp", *SMALL, "--candidate",
+                           "external_candidates:logp_swallows_everything", "--case-timeout", "0.5"],
+                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent)
+    assert proc.returncode == 1 and not proc.stdout
+    assert proc.stderr.strip() == ("check-op: candidate external_candidates:logp_swallows_everything on case "
+                                   "logp-fp32-2x2x17 did not return within the per-case time limit of 0.5 s and "
+                                   "could not be interrupted; process ended")
+
+
 USAGE_ERRORS = {
     "module not importable": ("no_such_module_xyz:logp",
                               "cannot import candidate module 'no_such_module_xyz': ModuleNotFoundError"),
