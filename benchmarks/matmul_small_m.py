@@ -76,6 +76,13 @@ def label(cfg: MatmulConfig) -> str:
     return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} {grid}"
 
 
+def source(cfg: MatmulConfig) -> str:
+    """The config as matmul.py's table writes it."""
+    tma = "" if cfg.tma else ", tma=False"
+    return (f"MatmulConfig({cfg.block_m}, {cfg.block_n}, {cfg.block_k}, group_m={cfg.group_m}, "
+            f"num_warps={cfg.num_warps}, num_stages={cfg.num_stages}{tma}, persistent={cfg.persistent})")
+
+
 def weight_gbps(n: int, k: int, ms: float) -> float:
     return n * k * DTYPE.itemsize / (ms * 1e-3) / 1e9
 
@@ -126,32 +133,31 @@ def _score(row: dict) -> float | None:
     return math.prod(times) ** (1 / len(times))
 
 
-def recommend(rows: list[dict], shapes: list[str]) -> dict:
-    """The candidate with the best geometric-mean time over the swept shapes and M, as table lines."""
+def recommend(rows: list[dict]) -> dict:
+    """The candidate with the best geometric-mean time over the swept shapes and M, as a table line;
+    per-shape override lines where a shape's best beats it by SWEEP_MARGIN_PCT."""
     fields = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "tma", "persistent")
-    by_config: dict[str, list[float]] = {}
-    for row in rows:
-        score = _score(row)
-        by_config.setdefault(row["config"], []).append(score)
-    complete = {c: s for c, s in by_config.items() if len(s) == len(shapes) and all(s)}
+    scores = {(r["shape"], r["config"]): _score(r) for r in rows}
+    shapes = sorted({r["shape"] for r in rows}, key=list(SHAPES).index)
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    complete = {c: [scores.get((s, c)) for s in shapes] for c in configs}
+    complete = {c: v for c, v in complete.items() if all(v)}
     if not complete:
         return {"choice": "keep the table", "why": "no candidate measured on every swept shape with equal bits"}
-    best = min(complete, key=lambda c: math.prod(complete[c]) ** (1 / len(complete[c])))
-    cfg_of = {r["config"]: {f: r[f] for f in fields} for r in rows}
+    best = min(complete, key=lambda c: math.prod(complete[c]))
+    cfg_of = {r["config"]: source(MatmulConfig(**{f: r[f] for f in fields})) for r in rows}
     rule = small_m_config(DTYPE, *SHAPES["q/o"])
     max_m = rule.max_m if rule else max(BATCH)
     dtype = str(DTYPE).removeprefix("torch.")
-    out = {"best": best, "table_line": f'"{dtype}": SmallMConfig({max_m}, MatmulConfig(**{cfg_of[best]})),',
+    out = {"best": best, "table_line": f'"{dtype}": SmallMConfig({max_m}, {cfg_of[best]}),',
            "overrides": []}  # fmt: skip
-    for i, shape in enumerate(shapes):
-        scored = [(r, _score(r)) for r in rows if r["shape"] == shape and _score(r)]
-        base = complete[best][i]
-        top, top_score = min(scored, key=lambda rs: rs[1])
-        if 100 * (base / top_score - 1) >= SWEEP_MARGIN_PCT:
+    for shape, base in zip(shapes, complete[best]):
+        top = min((c for c in configs if scores.get((shape, c))), key=lambda c: scores[(shape, c)])
+        gain = 100 * (base / scores[(shape, top)] - 1)
+        if gain >= SWEEP_MARGIN_PCT:
             n, k = SHAPES[shape]
-            gain = 100 * (base / top_score - 1)
-            line = f'("{dtype}", {n}, {k}): SmallMConfig({max_m}, MatmulConfig(**{cfg_of[top["config"]]})),'
-            out["overrides"].append(f"{line}  # {shape}: {gain:.0f}% faster than the best overall")
+            line = f'("{dtype}", {n}, {k}): SmallMConfig({max_m}, {cfg_of[top]}),'
+            out["overrides"].append(f"{line}  # {shape}: {gain:.0f}% faster there than the best overall")
     return out
 
 
@@ -226,23 +232,26 @@ def main() -> int:
         timing += result["timing"]
         torch.cuda.empty_cache()
 
-    print("\nbits: rows of M-row products vs the same rows of the M = 4096 product")
+    print(f"\nbits: rows of M-row products vs the same rows of the M = {FULL_M} product")
     print_table(bits, ["shape", "m_checked", "configs", "full_m_config", "bitwise", "differ_by_m", "error"])
     if sweep:
         print("\nsweep (% of copy bandwidth, weight bytes)")
-        print_table(sweep, ["shape", "config", "bits_differ", "ms_m1", "pct_copy_m1", "ms_m128", "pct_copy_m128",
-                            "error"])  # fmt: skip
+        print_table(sweep, ["shape", "config", "bits_differ", *[f"{key}_m{m}" for m in SWEEP_BATCH
+                                                                  for key in ("ms", "pct_copy")], "error"])
     print("\ntiming (% of copy bandwidth, weight bytes)")
     print_table(timing, ["shape", "M", "config", "ours_ms", "ours_pct_copy", "large_cfg_pct_copy", "cublas_pct_copy",
                          "speedup_vs_large_cfg", "pct_of_cublas", "error"])  # fmt: skip
-    swept = [s for s in SWEEP_SHAPES if s in shapes]
-    recommendation = recommend(sweep, swept) if sweep else None
+    recommendation = recommend(sweep) if sweep else None
     goal_rows = [r for r in timing if "ours_pct_copy" in r]
     summary = {
         "all_rows_bitwise": all(b.get("bitwise") is True for b in bits),
+        "all_sweep_candidates_bitwise": all(r.get("bits_differ") == 0 for r in sweep),
         "goal_pct_of_copy": GOAL_PCT_OF_COPY,
         "ms_meeting_goal_by_shape": {s: [r["M"] for r in goal_rows if r["shape"] == s
                                          and r["ours_pct_copy"] >= GOAL_PCT_OF_COPY] for s in shapes},
+        # where the small-M config lost to the large one: lower that shape's max_m (SMALL_M_OVERRIDES)
+        "small_m_slower_than_large_cfg_at": {s: [r["M"] for r in goal_rows if r["shape"] == s and
+                                                 r["speedup_vs_large_cfg"] < 1] for s in shapes},
         "min_ours_pct_copy_m_le_64": min((r["ours_pct_copy"] for r in goal_rows if r["M"] <= 64), default=None),
         "recommendation": recommendation,
         "seconds": time.perf_counter() - start,
@@ -259,11 +268,11 @@ def main() -> int:
         "summary": summary, "bits": bits, "sweep": sweep, "timing": timing,
     })  # fmt: skip
     save_plot(args.out, "matmul_small_m", [
-        {"title": f"{label}, bf16", "xlabel": "M (tokens)", "ylabel": "% of copy bandwidth (weight bytes)",
+        {"title": f"{who}, bf16", "xlabel": "M (tokens)", "ylabel": "% of copy bandwidth (weight bytes)",
          "x": BATCH, "logy": False, "hline": (GOAL_PCT_OF_COPY, "goal"),
          "series": {s: [next((r.get(key) for r in timing if r["shape"] == s and r["M"] == m), None) for m in BATCH]
                     for s in shapes}}
-        for label, key in (("ours", "ours_pct_copy"), ("large-M config", "large_cfg_pct_copy"),
+        for who, key in (("ours", "ours_pct_copy"), ("large-M config", "large_cfg_pct_copy"),
                            ("cuBLAS", "cublas_pct_copy"))
     ])  # fmt: skip
     print(f"done in {time.perf_counter() - start:.0f} s")
