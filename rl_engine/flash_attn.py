@@ -89,7 +89,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_table [B,max_blocks]. Query i of row b sits at position (cached length) - Sq + i, as in
     flash-attn (bottom-right aligned); with Sq > 1 the call must be causal (chunked prefill)."""
     from rl_engine.kernels.ops.triton.attention.kv_cache_attention import triton_kv_cache_attention
-    from rl_engine.rollout.paged_cache import gather_pages, page_slots, write_pages
+    from rl_engine.rollout.paged_cache import write_pages
 
     _refuse_unsupported(0.0, window_size, softcap, alibi_slopes, False)
     for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_leftpad", cache_leftpad)):
@@ -111,17 +111,16 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         if block_table is not None or k is not None:
             raise ValueError("cache_batch_idx: supported only to read a contiguous cache (no block_table, no new k, v)")
         k_cache, v_cache = k_cache[cache_batch_idx.long()], v_cache[cache_batch_idx.long()]
-    slots = None if block_table is None else page_slots(block_table, k_cache.shape[1])
     if k is not None:
         positions = lengths[:, None] + torch.arange(sq, device=q.device)[None, :]  # [B,Sq]
-        if slots is None:
+        if block_table is None:
             rows = torch.arange(b, device=q.device)[:, None].expand_as(positions)
             k_cache[rows, positions] = k
             v_cache[rows, positions] = v
         else:
-            write_pages(k_cache, slots, positions, k)
-            write_pages(v_cache, slots, positions, v)
+            write_pages(k_cache, block_table, positions, k)
+            write_pages(v_cache, block_table, positions, v)
         lengths = lengths + sq
-    # A paged cache is gathered into the contiguous [B, max_blocks * page, Hkv, D] layout the kernel reads.
-    keys, values = (k_cache, v_cache) if slots is None else (gather_pages(k_cache, slots), gather_pages(v_cache, slots))
-    return triton_kv_cache_attention(q, keys, values, lengths.to(torch.int32), scale=softmax_scale)
+    # A paged cache is read through block_table in the kernel (no gather).
+    return triton_kv_cache_attention(q, k_cache, v_cache, lengths.to(torch.int32), scale=softmax_scale,
+                                     block_table=block_table)

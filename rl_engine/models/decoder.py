@@ -24,8 +24,9 @@ Attention layouts:
 - cached: new tokens are written into a cache at their positions, then attend through
   `kv_cache_attention` (chunked prefill and decode). Cached layouts hold each sequence from
   position 0 of its cache row (no left padding), so cache index = position. A cache is anything
-  with `write(layer, positions, k, v)` and `layer_kv(layer) -> (k [B,Smax,Hkv,D], v)`: the
-  contiguous `KvCache` below, or the paged cache of rl_engine.rollout (which gathers its pages).
+  with `write(layer, positions, k, v)`, `layer_kv(layer) -> (k, v)` and `block_table`: the
+  contiguous `KvCache` below (k [B,Smax,Hkv,D], block_table None), or the paged cache of
+  rl_engine.rollout (page pools [num_pages,page,Hkv,D] + int32 block_table [B,width], read in place).
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ class KvCache:
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer], self.v[layer]
+
+    block_table = None  # contiguous: no page table (the cache protocol's, module docstring)
 
 
 class DecoderModel:
@@ -198,16 +201,17 @@ class DecoderModel:
         """New tokens [B,Sq] at `positions` against the cache (chunked prefill, decode).
 
         cache_seqlens[b] counts the valid cached tokens of row b after this step, the new ones included.
-        `cache`: a `KvCache` or any object with its `write` and `layer_kv` (module docstring).
+        `cache`: a `KvCache` or any object with its `write`, `layer_kv` and `block_table` (module docstring).
         """
         h = self.embed(token_ids) if embeds is None else embeds
 
         def attend(i, node, q, k, v):
             cache.write(i, positions, k, v)
             k_cache, v_cache = cache.layer_kv(i)
-            return self.ops(
-                "kv_cache_attention", node, q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens
-            )
+            table = getattr(cache, "block_table", None)
+            paged = {} if table is None else {"block_table": table}
+            return self.ops("kv_cache_attention", node, q=q, k_cache=k_cache, v_cache=v_cache,
+                            cache_seqlens=cache_seqlens, **paged)
 
         return self._decoder(h, positions, attend)
 

@@ -3,7 +3,7 @@
 A decode step (every running sequence feeds its newest token) is the same work each time up to the batch
 size and the page-table width, so it is captured once per (rows, width) and replayed:
   rows   the decode batch padded up to a bucket (1, 2, 4, … , max_batch_size);
-  width  the page-table width padded up to a power of two (the cache gather is rows × width × page_size).
+  width  the page-table width padded up to a power of two (the static block table is rows × width).
 Two graphs per bucket, sharing one memory pool: (1) forward_cached + lm_head -> hidden and logits of every
 row, (2) selected_logprobs of the sampled tokens (the raw, T = 1 logprobs). The sampler and the tempered
 logprobs stay eager (they take per-sequence parameters).
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.rollout.paged_cache import NULL_PAGE, page_slots
+from rl_engine.rollout.paged_cache import padded_block_table
 
 
 def _pow2_at_least(n: int) -> int:
@@ -42,13 +42,13 @@ class _Step:
         self.tokens = torch.zeros((rows, 1), dtype=torch.int64, device=device)
         self.positions = torch.zeros((rows, 1), dtype=torch.int64, device=device)
         self.seqlens = torch.ones((rows,), dtype=torch.int32, device=device)
-        self.slots = torch.zeros((rows, width * cache.page_size), dtype=torch.int64, device=device)
+        self.block_table = torch.zeros((rows, width), dtype=torch.int32, device=device)
         self.targets = torch.zeros((rows, 1), dtype=torch.int64, device=device)
         self.forward_graph = self.logprob_graph = None
         self.hidden = self.logits = self.raw = None
 
     def run_forward(self):
-        self.cache.use_slots(self.slots)
+        self.cache.use_block_table(self.block_table)
         self.hidden = self.model.forward_cached(self.tokens, self.positions, self.cache, self.seqlens)
         self.logits = self.model.logits(self.hidden)[:, 0]
 
@@ -92,14 +92,11 @@ class DecodeGraphs:
         new = step is None
         if new:
             step = self.steps[key] = _Step(self.model, self.cache, rows, width, self.cache.device)
-        table = torch.full((rows, width), NULL_PAGE, dtype=torch.int64)
-        for r, t in enumerate(tables):
-            table[r, : len(t)] = torch.tensor(t, dtype=torch.int64)
         pad = rows - n
         step.tokens.copy_(torch.tensor(tokens + [0] * pad, dtype=torch.int64)[:, None])
         step.positions.copy_(torch.tensor(starts + [0] * pad, dtype=torch.int64)[:, None])
         step.seqlens.copy_(torch.tensor([p + 1 for p in starts] + [1] * pad, dtype=torch.int32))
-        step.slots.copy_(page_slots(table, self.cache.page_size))
+        step.block_table.copy_(padded_block_table(tables, width, rows))
         if not self.capture:
             step.run_forward()
         else:  # capture swaps in the graph's own output tensors: replay fills them

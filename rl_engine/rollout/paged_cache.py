@@ -6,13 +6,12 @@ never handed out; table slots past a sequence's pages point at it. It holds zero
 values of a CUDA graph's padding rows (rl_engine.rollout.decode_graph): finite either way, so every value
 that `kv_cache_attention` may touch is finite (the gold reads masked positions: 0 · NaN would poison a row).
 
-The attention op takes a contiguous cache [B,Smax,Hkv,D] + cache_seqlens, so `layer_kv` gathers the
-batch's pages into that layout (no kernel change). Cost: one copy of the batch's cache per layer per
-forward, 2 · B · Smax · Hkv · D elements, where Smax = the batch's longest page table × page_size
-(the Triton kernel already copies its cache rows to a contiguous buffer). A paged attention kernel
-that reads through the page table would remove it. The Triton kernel reads cached positions only
-below cache_seqlens with key blocks aligned to position 0, so Smax (which depends on the batch) and
-where the pages lie change no bit; the parity tests check it.
+Attention reads the pages in place: `layer_kv` hands the pools and `block_table` the bound batch's page
+tables (int32 [B, width], null pages past a sequence's), flash_attn_with_kvcache's paged convention; the
+Triton kernel loads each key through the table (no gather), the gold op gathers (`paged_cache_view`, the
+meaning). The Triton kernel reads cached positions only below cache_seqlens with key blocks aligned to
+position 0, so the width (which depends on the batch) and where the pages lie change no bit; the parity
+tests check it.
 """
 
 from __future__ import annotations
@@ -24,20 +23,27 @@ from rl_engine.models.config import ModelConfig
 NULL_PAGE = 0
 
 
-def page_slots(block_table: torch.Tensor, page_size: int) -> torch.Tensor:
-    """[B, max_pages * page_size]: the flat pool slot of every cache index of each row."""
-    offsets = torch.arange(page_size, dtype=torch.int64, device=block_table.device)
-    return (block_table.long()[:, :, None] * page_size + offsets).flatten(1)
+def padded_block_table(tables: list[list[int]], width: int, rows: int | None = None) -> torch.Tensor:
+    """int32 [rows, width] (on the CPU): row r holds tables[r], then null pages (so do rows past len(tables))."""
+    table = torch.full((len(tables) if rows is None else rows, width), NULL_PAGE, dtype=torch.int32)
+    for r, t in enumerate(tables):
+        table[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    return table
 
 
-def gather_pages(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The contiguous cache [B,S,Hkv,D] the attention op reads, from a pool [num_pages,page,Hkv,D]."""
-    return pool.view(-1, *pool.shape[2:])[slots]
+def pool_slots(block_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """int64 [B,S]: the pool row (page · page_size + offset) of cache positions [B,S] of the rows' page tables."""
+    pos = positions.long()
+    return torch.gather(block_table.long(), 1, pos // page_size) * page_size + pos % page_size
 
 
-def write_pages(pool: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, x: torch.Tensor) -> None:
-    """Write x [B,S,Hkv,D] into the pool at cache positions [B,S], in place."""
-    pool.view(-1, *pool.shape[2:])[torch.gather(slots, 1, positions.long())] = x
+def write_pages(pool: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor, x: torch.Tensor,
+                slots: torch.Tensor | None = None) -> None:
+    """Write x [B,S,Hkv,D] into the pool [num_pages,page,Hkv,D] at cache positions [B,S] of the rows' page
+    tables [B, width], in place (`slots`: their pool_slots, if known)."""
+    if slots is None:
+        slots = pool_slots(block_table, positions, pool.shape[1])
+    pool.view(-1, *pool.shape[2:])[slots] = x
 
 
 class PagedKvCache:
@@ -53,7 +59,8 @@ class PagedKvCache:
         self.device = torch.device(device)
         self._free = list(range(num_pages - 1, NULL_PAGE, -1))  # pop() hands out the lowest page first
         self.tables: dict[int, list[int]] = {}
-        self._slots = None  # [B, Smax] flat slot of each cache index of the bound batch
+        self.block_table = None  # int32 [B, width]: the bound batch's page tables
+        self._written = None  # (positions, block_table, their pool slots): every layer writes the same positions
 
     # -- allocation -----------------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
@@ -77,19 +84,25 @@ class PagedKvCache:
     # -- the cache protocol of DecoderModel.forward_cached ----------------------------------------
     def bind(self, seq_ids: list[int]) -> None:
         """Set the batch (row b = seq_ids[b]) of the next forward."""
-        width = max(len(self.tables[s]) for s in seq_ids)
-        table = torch.full((len(seq_ids), width), NULL_PAGE, dtype=torch.int64)
-        for row, s in enumerate(seq_ids):
-            table[row, : len(self.tables[s])] = torch.tensor(self.tables[s], dtype=torch.int64)
-        self._slots = page_slots(table, self.page_size).to(self.device)
+        tables = [self.tables[s] for s in seq_ids]
+        self.block_table = padded_block_table(tables, max(len(t) for t in tables)).to(self.device)
+        self._written = None
 
-    def use_slots(self, slots: torch.Tensor) -> None:
-        """Bind a batch by its slot matrix [B, width * page_size] (a CUDA graph's static buffer)."""
-        self._slots = slots
+    def use_block_table(self, block_table: torch.Tensor) -> None:
+        """Bind a batch by its page tables, int32 [B, width] on the device (a CUDA graph's static buffer; called
+        before each forward: a capture must record the slots' computation, not reuse the warm-up's)."""
+        self.block_table = block_table
+        self._written = None
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        write_pages(self.k[layer], self._slots, positions, k)
-        write_pages(self.v[layer], self._slots, positions, v)
+        """The pool slots of `positions` are computed at the forward's first write and reused by its other layers
+        (the same tensor); binding resets them."""
+        w = self._written
+        if w is None or w[0] is not positions or w[1] is not self.block_table:  # the forward's first layer
+            w = self._written = (positions, self.block_table, pool_slots(self.block_table, positions, self.page_size))
+        write_pages(self.k[layer], self.block_table, positions, k, w[2])
+        write_pages(self.v[layer], self.block_table, positions, v, w[2])
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return gather_pages(self.k[layer], self._slots), gather_pages(self.v[layer], self._slots)
+        """The layer's page pools [num_pages, page_size, Hkv, D], read through `block_table` (no gather)."""
+        return self.k[layer], self.v[layer]

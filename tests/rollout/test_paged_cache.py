@@ -1,13 +1,15 @@
-"""The paged cache gathers exactly what a contiguous cache holds; pages are taken and given back."""
+"""The paged cache's pages, read through its block table, hold exactly what a contiguous cache holds; pages are
+taken and given back."""
 
 import pytest
 import torch
 
+from rl_engine.kernels.ops.pytorch.attention.kv_cache_attention import paged_cache_view
 from rl_engine.models.decoder import KvCache
 from rl_engine.rollout.paged_cache import NULL_PAGE, PagedKvCache
 
 
-def test_gather_equals_the_contiguous_cache(micro_config):
+def test_pages_through_the_block_table_equal_the_contiguous_cache(micro_config):
     g = torch.Generator().manual_seed(0)
     paged = PagedKvCache(micro_config, num_pages=12, page_size=3, dtype=torch.float32, device="cpu")
     paged.reserve(7, 2)  # a neighbour takes the first pages, so sequence 5's pages are not 1, 2, ...
@@ -24,7 +26,10 @@ def test_gather_equals_the_contiguous_cache(micro_config):
         v = torch.randn(k.shape, generator=g)
         paged.write(0, pos, k, v)
         dense.write(0, pos, k, v)
-    gk, gv = paged.layer_kv(0)
+    pk, pv = paged.layer_kv(0)
+    assert pk is paged.k[0] and pv is paged.v[0]  # the pools themselves: attention reads them in place
+    assert paged.block_table.dtype == torch.int32 and paged.block_table.shape == (3, 3)
+    gk, gv = paged_cache_view(pk, paged.block_table), paged_cache_view(pv, paged.block_table)
     assert gk.shape == (3, 9, micro_config.num_kv_heads, micro_config.head_dim)  # 3 pages of 3 for the longest table
     for row, length in enumerate(lengths):
         n = min(length, 5)

@@ -63,14 +63,14 @@ def test_every_schedule_gives_the_bits_of_generating_alone(micro_model, alone, n
 def test_graph_padding_rows_that_write_into_a_sequences_pages_are_caught(micro_model, alone, monkeypatch):
     # Planted bug: padding rows take the first sequence's page table instead of null pages, so their
     # keys and values overwrite its cache.
-    real = decode_graph.page_slots
+    real = decode_graph.padded_block_table
 
-    def leaky(table, page_size):
-        table = table.clone()
-        table[table[:, 0] == decode_graph.NULL_PAGE] = table[0].clone()
-        return real(table, page_size)
+    def leaky(tables, width, rows=None):
+        table = real(tables, width, rows)
+        table[len(tables):] = table[0].clone()
+        return table
 
-    monkeypatch.setattr(decode_graph, "page_slots", leaky)
+    monkeypatch.setattr(decode_graph, "padded_block_table", leaky)
     # Three sequences decode together in the bucket of 4 rows: one padding row.
     engine = RolloutEngine(micro_model(PROFILE), max_batch_size=4, chunk_size=8, page_size=4, cuda_graphs=True)
     assert mismatches(engine.generate(requests([0, 0, 0])), alone)

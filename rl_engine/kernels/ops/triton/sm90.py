@@ -27,6 +27,11 @@ from rl_engine.kernels.ops.triton.runtime import dot_precision
 
 H200_SHARED_BYTES = 227 * 1024
 ATTENTION_KERNELS = ("forward", "forward_partial", "combine", "dq", "dkdv")
+# The forward reading a paged KV cache through its block table (16-key pages), compiled for the bf16 head dims a
+# rollout decodes at: whole tiles (chunked prefill) and split programs (decode).
+PAGED_KERNELS = ("forward_paged", "forward_partial_paged")
+PAGED_HEAD_DIMS = (64, 128)
+PAGED_PAGE_SIZE = 16
 CASES = [(torch.bfloat16, d) for d in (8, 64, 80, 128, 256)] + [(torch.float32, d) for d in (8, 128, 256)]
 # Launches specialise pointers and integer arguments that are multiples of 16 as 16-byte aligned (what
 # makes loads vectorised and pipelined); these are, at every shape a model runs.
@@ -68,6 +73,8 @@ def compile_attention(kind: str, dtype: torch.dtype, head_dim: int, tile=None):
         constants = dict(BLOCK_R=flash.COMBINE_BLOCK_R, BLOCK_D=padded, AFTER_PDL=kind == "combine_after_pdl")
         return _compile(flash._split_combine_kernel, constants,
                         lambda n: element if n == "O" else "*fp32" if n.isupper() else "i32", 4, 1)
+    paged = kind.endswith("_paged")
+    kind = kind.removesuffix("_paged")
     fn, field = {"forward": (flash._flash_forward_kernel, "forward"),
                  "forward_partial": (flash._flash_forward_kernel, "forward"),
                  "dq": (flash._flash_backward_dq_kernel, "backward_dq"),
@@ -77,15 +84,19 @@ def compile_attention(kind: str, dtype: torch.dtype, head_dim: int, tile=None):
                      EVEN_D=padded == head_dim, MASK_SPLIT=dtype != torch.float32, DOT_FP32=False,
                      DOT_PRECISION=dot_precision(dtype))
     if fn is flash._flash_forward_kernel:
-        constants.update(KV_SPLIT=config.kv_split, PARTIAL=kind == "forward_partial", FLAT=config.flat_splits)
-    tma = dtype != torch.float32 and padded == head_dim  # what flash.row_descriptors decides for contiguous rows
+        constants.update(KV_SPLIT=config.kv_split, PARTIAL=kind == "forward_partial", FLAT=config.flat_splits,
+                         PAGE_SIZE=PAGED_PAGE_SIZE if paged else 1, PAGED=paged)
+        if not paged:
+            constants["BLOCK_TABLE"] = None  # what flash_forward passes for a contiguous cache
+    # what flash.row_descriptors decides for contiguous rows (a paged cache has none)
+    tma = dtype != torch.float32 and padded == head_dim and not paged
     constants["TMA"] = tma
     block_rows = {"KD": tile.block_n, "VD": tile.block_n, "QD": tile.block_m, "DOD": tile.block_m}
 
     def types(name: str) -> str:
         if name in block_rows:
             return f"tensordesc<{element[1:]}[{block_rows[name]}, {head_dim}]>" if tma else element
-        if name == "SEQ_INFO":
+        if name in ("SEQ_INFO", "BLOCK_TABLE"):
             return "*i32"
         if name in ("LSE", "DELTA", "PM", "PL", "PACC"):
             return "*fp32"
@@ -371,7 +382,8 @@ def main(argv=None) -> int:
         for variant in MATMUL_VARIANTS:
             record(f"matmul_{variant}/bf16", functools.partial(compile_matmul, variant))
     for dtype, head_dim in cases:
-        for kind in ATTENTION_KERNELS:
+        paged = PAGED_KERNELS if dtype == torch.bfloat16 and head_dim in PAGED_HEAD_DIMS else ()
+        for kind in ATTENTION_KERNELS + paged:
             key = f"{kind}/{'bf16' if dtype == torch.bfloat16 else 'fp32'}/{head_dim}"
             record(key, functools.partial(compile_attention, kind, dtype, head_dim, tile))
     print(json.dumps(results))

@@ -19,6 +19,8 @@ from rl_engine.kernels.ops.triton.sm90 import (
     LINEAR_LOGP_KERNELS,
     MATMUL_VARIANTS,
     MOE_KERNELS,
+    PAGED_HEAD_DIMS,
+    PAGED_KERNELS,
 )
 
 # One case per tile class of attention_config: small heads, the flat split loop (64), a padded head (80),
@@ -50,6 +52,15 @@ def test_attention_compiles_for_the_h200(report, kind, case):
         assert result["wgmma"] > 0, "bf16 tiles of 64 rows should reach Hopper's asynchronous tensor-core MMA"
     if case.startswith("bf16") and kind in ("forward", "forward_partial"):
         assert result["single_bf16_cvt"] == 0, "p rounded to bf16 one element at a time (F2F)"
+
+
+@pytest.mark.parametrize("kind", PAGED_KERNELS)
+@pytest.mark.parametrize("head_dim", PAGED_HEAD_DIMS)
+def test_the_paged_forward_compiles_for_the_h200(report, kind, head_dim):
+    # The forward reading a paged KV cache through its block table (the rollout's decode and chunked prefill).
+    result = report[f"{kind}/bf16/{head_dim}"]
+    assert "error" not in result, result["error"]
+    assert result["cubin"] > 0 and result["shared"] <= H200_SHARED_BYTES and result["wgmma"] > 0, result
 
 
 _PLANTED_SOFTMAX_BLOCK = """

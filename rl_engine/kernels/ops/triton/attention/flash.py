@@ -213,11 +213,31 @@ def _key_blocks(q_pos0, first_q, rows, q_count, kv_len, window, CAUSAL: tl.const
 
 
 @triton.jit
+def _key_rows(k_row0, k_pos, k_ok, BLOCK_TABLE, stride_bt, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr):
+    """Memory rows (int64) of the sequence's keys at positions k_pos. PAGED: k_row0 is the sequence's row of the
+    block table [B, max_blocks] (flash_attn_with_kvcache's), and position p lives at row
+    block_table[k_row0, p // PAGE_SIZE] · PAGE_SIZE + p % PAGE_SIZE of the page pool; positions outside k_ok
+    read page 0 (their K/V loads are masked)."""
+    if PAGED:
+        entry = BLOCK_TABLE + k_row0.to(tl.int64) * stride_bt + k_pos // PAGE_SIZE
+        if k_ok is None:
+            page = tl.load(entry)
+        else:
+            page = tl.load(entry, mask=k_ok, other=0)
+        return page.to(tl.int64) * PAGE_SIZE + k_pos % PAGE_SIZE
+    else:
+        return (k_row0 + k_pos).to(tl.int64)
+
+
+@triton.jit
 def _whole_kv_block(K, V, KD, VD, k_row0, start_n, stride_kr, k_col, kd_col, d_ok, EVEN_D: tl.constexpr,
-                    BLOCK_N: tl.constexpr, TMA: tl.constexpr, DOT_FP32: tl.constexpr):
+                    BLOCK_N: tl.constexpr, TMA: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_TABLE=None,
+                    stride_bt=0, PAGE_SIZE: tl.constexpr = 1, PAGED: tl.constexpr = False):
     """K and V rows [start_n, start_n + BLOCK_N) of a block inside kv_len: no row mask. TMA: through the
-    descriptors KD/VD (rows [Rk, Hkv·D]), which read exactly these rows, all of them the sequence's."""
-    k_off = (k_row0 + start_n + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_kr
+    descriptors KD/VD (rows [Rk, Hkv·D]), which read exactly these rows, all of them the sequence's.
+    PAGED: through the block table (`_key_rows`; never with TMA)."""
+    k_off = _key_rows(k_row0, start_n + tl.arange(0, BLOCK_N), None, BLOCK_TABLE, stride_bt, PAGE_SIZE,
+                      PAGED) * stride_kr
     if TMA:
         k = KD.load([k_row0 + start_n, kd_col])
         v = VD.load([k_row0 + start_n, kd_col])
@@ -234,12 +254,13 @@ def _whole_kv_block(K, V, KD, VD, k_row0, start_n, stride_kr, k_col, kd_col, d_o
 
 @triton.jit
 def _masked_kv_block(K, V, k_row0, start_n, stride_kr, k_col, d_ok, q_pos, kv_len, window, CAUSAL: tl.constexpr,
-                     BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+                     BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_TABLE=None, stride_bt=0,
+                     PAGE_SIZE: tl.constexpr = 1, PAGED: tl.constexpr = False):
     """K and V rows [start_n, start_n + BLOCK_N) of a block that needs masks (rows past kv_len load as 0),
     and which (query, key) pairs of the tile are visible."""
     k_pos = start_n + tl.arange(0, BLOCK_N)
     k_ok = k_pos < kv_len
-    k_off = (k_row0 + k_pos).to(tl.int64) * stride_kr
+    k_off = _key_rows(k_row0, k_pos, k_ok, BLOCK_TABLE, stride_bt, PAGE_SIZE, PAGED) * stride_kr
     kv_mask = k_ok[:, None] & d_ok[None, :]
     k = tl.load(K + k_off[:, None] + k_col, mask=kv_mask, other=0.0)
     v = tl.load(V + k_off[:, None] + k_col, mask=kv_mask, other=0.0)
@@ -325,15 +346,17 @@ def _merge_split(m_t, l_t, acc_t, m, l, acc):
 
 @triton.jit(do_not_specialize=["heads_per_tile", "q_per_tile"])
 def _flash_forward_kernel(
-    Q, K, V, KD, VD, O, LSE, PM, PL, PACC, SEQ_INFO,
+    Q, K, V, KD, VD, O, LSE, PM, PL, PACC, SEQ_INFO, BLOCK_TABLE,
     stride_qr, stride_qh, stride_kr, stride_kh, stride_or, stride_oh, stride_lr,
-    stride_ps, stride_pr, stride_ph, stride_as, stride_ar, stride_ah,
+    stride_ps, stride_pr, stride_ph, stride_as, stride_ar, stride_ah, stride_bt,
     qk_scale, group, heads_per_tile, q_per_tile, head_dim,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     KV_SPLIT: tl.constexpr, PARTIAL: tl.constexpr,
     EVEN_D: tl.constexpr, MASK_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, FLAT: tl.constexpr,
+    TMA: tl.constexpr, FLAT: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
 ):
+    # PAGED: K and V are a page pool's rows [num_pages·PAGE_SIZE, Hkv, D] and a sequence's k_row0 is its row of
+    # BLOCK_TABLE (`_key_rows`); the blocks, splits and their order are the contiguous layout's.
     # PARTIAL: program_id(0) is a KV split of the sequence's only query tile; the program writes that
     # split's unnormalised state (m, l, acc) to PM/PL/PACC for the combine kernel. Otherwise it is a
     # query tile (the last ones, which walk the most key blocks under the causal mask, launched first)
@@ -386,7 +409,7 @@ def _flash_forward_kernel(
         if MASK_SPLIT:
             for start_n in range(blo, umid, BLOCK_N):
                 k, v = _whole_kv_block(K, V, KD, VD, k_row0, start_n, stride_kr, k_col, kd_col, d_ok, EVEN_D,
-                                       BLOCK_N, TMA, DOT_FP32)
+                                       BLOCK_N, TMA, DOT_FP32, BLOCK_TABLE, stride_bt, PAGE_SIZE, PAGED)
                 m, l, acc = _online_softmax_block(q, k, v, m, l, acc, None, qk_scale, kv_base,
                                                   False, DOT_FP32, DOT_PRECISION)
                 if not PARTIAL:
@@ -397,7 +420,7 @@ def _flash_forward_kernel(
             umid = blo
         for start_n in range(umid, bhi, BLOCK_N):
             k, v, visible = _masked_kv_block(K, V, k_row0, start_n, stride_kr, k_col, d_ok, q_pos, kv_len, window,
-                                             CAUSAL, BLOCK_N, DOT_FP32)
+                                             CAUSAL, BLOCK_N, DOT_FP32, BLOCK_TABLE, stride_bt, PAGE_SIZE, PAGED)
             m, l, acc = _online_softmax_block(q, k, v, m, l, acc, visible, qk_scale, kv_base,
                                               True, DOT_FP32, DOT_PRECISION)
             if not PARTIAL:
@@ -419,12 +442,13 @@ def _flash_forward_kernel(
             if MASK_SPLIT:  # fp32 skips the mask split: its speed matters less than its compile time
                 for start_n in range(b0, tl.minimum(mid, s1), BLOCK_N):
                     k, v = _whole_kv_block(K, V, KD, VD, k_row0, start_n, stride_kr, k_col, kd_col, d_ok, EVEN_D,
-                                           BLOCK_N, TMA, DOT_FP32)
+                                           BLOCK_N, TMA, DOT_FP32, BLOCK_TABLE, stride_bt, PAGE_SIZE, PAGED)
                     m, l, acc = _online_softmax_block(q, k, v, m, l, acc, None, qk_scale, kv_base,
                                                       False, DOT_FP32, DOT_PRECISION)
             for start_n in range(tl.maximum(mid, b0), s1, BLOCK_N):
                 k, v, visible = _masked_kv_block(K, V, k_row0, start_n, stride_kr, k_col, d_ok, q_pos, kv_len,
-                                                 window, CAUSAL, BLOCK_N, DOT_FP32)
+                                                 window, CAUSAL, BLOCK_N, DOT_FP32, BLOCK_TABLE, stride_bt,
+                                                 PAGE_SIZE, PAGED)
                 m, l, acc = _online_softmax_block(q, k, v, m, l, acc, visible, qk_scale, kv_base,
                                                   True, DOT_FP32, DOT_PRECISION)
             if not PARTIAL:
@@ -493,9 +517,13 @@ def _check_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
 
 
-def flash_forward(q, k, v, table: SequenceTable, *, causal: bool, scale: float, heads_per_tile: int = 1):
+def flash_forward(q, k, v, table: SequenceTable, *, causal: bool, scale: float, heads_per_tile: int = 1,
+                  block_table: torch.Tensor | None = None, page_size: int = 1):
     """q [R,Hq,D], k/v [Rk,Hkv,D] contiguous rows -> (out [R,Hq,D] in q's dtype, lse [R,Hq] fp32 log2).
 
+    block_table (int32 [B, max_blocks], contiguous): k/v are a page pool's rows [num_pages·page_size, Hkv, D], a
+    sequence's k_row0 is its row of the table, and key position p is read from page block_table[k_row0,
+    p // page_size] (flash_attn_with_kvcache's paged cache); the bits are those of the gathered cache.
     Rows no sequence covers are left uninitialised.
     """
     _check_rows(q, k, v)
@@ -511,18 +539,20 @@ def flash_forward(q, k, v, table: SequenceTable, *, causal: bool, scale: float, 
     q_per_tile = cfg.block_m // heads_per_tile
     if table.num_sequences == 0 or rows == 0:
         return out, lse
+    paged = block_table is not None
     if q.is_cuda and not interpreting():
         from rl_engine.kernels.ops.triton.attention import gluon_decode  # imports this module
 
-        if gluon_decode.covers(q, k, table.max_q_count):  # a KV head's query group in one program: the same bits
-            return gluon_decode.gluon_decode(*_aligned(q, k, v), table, causal=causal, scale=scale)
+        if gluon_decode.covers(q, k, table.max_q_count, page_size if paged else None):  # the same bits
+            return gluon_decode.gluon_decode(*_aligned(q, k, v), table, causal=causal, scale=scale,
+                                             block_table=block_table, page_size=page_size)
     kv_split = config.kv_split
     num_splits = triton.cdiv(max(table.max_kv_len, 1), kv_split)
     # One query tile per sequence (decode, short chunks) and several splits: one program per split, then
     # the combine kernel. The bits are the same either way (both fold the same split states in the same
     # order); only the parallelism differs.
     partial = table.max_q_count <= q_per_tile and num_splits > 1
-    if not partial and heads_per_tile == 1 and _gluon_covers(q, k, v):
+    if not partial and heads_per_tile == 1 and not paged and _gluon_covers(q, k, v):
         from rl_engine.kernels.ops.triton.attention.gluon_forward import gluon_forward
 
         return gluon_forward(*_aligned(q, k, v), table, causal=causal, scale=scale)  # flash.py's bits
@@ -536,16 +566,17 @@ def flash_forward(q, k, v, table: SequenceTable, *, causal: bool, scale: float, 
         grid = (triton.cdiv(max(table.max_q_count, 1), q_per_tile), hq // heads_per_tile, table.num_sequences)
     p_strides = (pm.stride(0), pm.stride(1), pm.stride(2)) if partial else (0, 0, 0)
     a_strides = (pacc.stride(0), pacc.stride(1), pacc.stride(2)) if partial else (0, 0, 0)
-    descs = row_descriptors((k, v), cfg.block_n)
+    descs = None if paged else row_descriptors((k, v), cfg.block_n)  # a page's rows are not a block's
     _flash_forward_kernel[grid](
-        q, k, v, *(descs or (k, v)), out, lse, pm, pl, pacc, table.info,
+        q, k, v, *(descs or (k, v)), out, lse, pm, pl, pacc, table.info, block_table,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1), lse.stride(0),
-        *p_strides, *a_strides,
+        *p_strides, *a_strides, block_table.stride(0) if paged else 0,
         scale * LOG2_E, group, heads_per_tile, q_per_tile, head_dim,
         CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d(head_dim),
         KV_SPLIT=kv_split, PARTIAL=partial, EVEN_D=block_d(head_dim) == head_dim,
         MASK_SPLIT=q.dtype != torch.float32, DOT_FP32=dot_fp32(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
-        TMA=descs is not None, FLAT=config.flat_splits, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TMA=descs is not None, FLAT=config.flat_splits, PAGE_SIZE=page_size if paged else 1, PAGED=paged,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if partial:
         # Rows no sequence covers hold garbage partials; their outputs are garbage too, as documented.

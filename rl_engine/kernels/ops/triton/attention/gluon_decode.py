@@ -356,9 +356,11 @@ def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
         gl.store(LSE + r64 * stride_lr + head, m_new + gl.log2(l_safe), mask=first)
 
 
-def covers(q: torch.Tensor, k: torch.Tensor, max_q_count: int) -> bool:
+def covers(q: torch.Tensor, k: torch.Tensor, max_q_count: int, page_size: int | None = None) -> bool:
     """Whether this kernel takes a forward: bf16 rows at head_dim 64 / 128 on sm_90 under Triton 3.6, whose
-    group · queries fit QN columns."""
+    group · queries fit QN columns; a paged cache (page_size given) goes to flash.py's kernel."""
+    if page_size is not None:
+        return False
     if not (q.is_cuda and 0 < (q.shape[1] // k.shape[1]) * max_q_count <= QN):
         return False
     return gluon_forward.covers(q, k, k, HEAD_DIMS)
@@ -392,15 +394,19 @@ def _columns_descriptor(x: torch.Tensor, block_rows: int, block_cols: int):
                             _v_layout(block_rows, block_cols))
 
 
-def gluon_decode(q, k, v, table, *, causal: bool, scale: float):
+def gluon_decode(q, k, v, table, *, causal: bool, scale: float, block_table=None, page_size: int = 1):
     """flash.flash_forward's contract for the rows `covers` takes: (out [R,Hq,D], lse [R,Hq] fp32 log2)."""
+    if block_table is not None:
+        raise ValueError("block_table: the Gluon decode reads contiguous rows (covers() sends pages to flash.py)")
     return _launch(q, k, v, table.info, table.num_sequences, table.max_q_count, table.max_kv_len, causal, scale,
                    False)
 
 
-def gluon_decode_cache(q, k, v, lengths, sq: int, smax: int, *, scale: float):
+def gluon_decode_cache(q, k, v, lengths, sq: int, smax: int, *, scale: float, block_table=None, page_size: int = 1):
     """kv_cache_attention's step on rows q [B·Sq,Hq,D], caches [B·Smax,Hkv,D], lengths [B] on the GPU (clamped to
     [0, Smax] as its table is), with no table launch: (out, lse)."""
+    if block_table is not None:
+        raise ValueError("block_table: the Gluon decode reads contiguous rows (covers() sends pages to flash.py)")
     return _launch(q, k, v, lengths, lengths.shape[0], sq, smax, True, scale, True)
 
 
