@@ -139,3 +139,27 @@ def test_bad_block_tables_name_the_input():
         triton_kv_cache_attention(q, kp, vp, torch.tensor([3, 9]), block_table=table)
     with pytest.raises(ValueError, match="v_cache"):
         triton_kv_cache_attention(q, kp, vp[:, :2], lens, block_table=table)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("context", [1024, 4096])
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_gpu_qwen3_8b_paged_decode_has_the_contiguous_bits(monkeypatch, batch, context):
+    # Qwen3-8B's attention (32 query heads on 8 KV heads of 128, bf16), 16-key pages in shuffled order among spare
+    # ones, lengths ending in different blocks: the paged step equals the contiguous cache as kv_cache_attention routes
+    # it (the Gluon decode on the H200) and through flash.py's kernel (the paged call's).
+    from rl_engine.kernels.ops.triton.attention import gluon_decode
+
+    page, width = 16, context // 16
+    gen = torch.Generator(device="cuda").manual_seed(batch + context)
+    num_blocks = batch * width + 64
+    kp, vp = (torch.randn(num_blocks, page, 8, 128, generator=gen, device="cuda", dtype=BF16) for _ in range(2))
+    table = torch.randperm(num_blocks, generator=gen, device="cuda")[: batch * width].view(batch, width).int()
+    lengths = (context - (torch.arange(batch, device="cuda") * 37) % 200).int()
+    q = torch.randn(batch, 1, 32, 128, generator=gen, device="cuda", dtype=BF16)
+    kc, vc = paged_cache_view(kp, table), paged_cache_view(vp, table)
+    paged = triton_kv_cache_attention(q, kp, vp, lengths, block_table=table)
+    assert torch.isfinite(paged).all()
+    assert _same_bits(paged, triton_kv_cache_attention(q, kc, vc, lengths)), "paged vs contiguous (default route)"
+    monkeypatch.setattr(gluon_decode, "covers", lambda *a: False)
+    assert _same_bits(paged, triton_kv_cache_attention(q, kc, vc, lengths)), "paged vs contiguous (flash.py)"
