@@ -17,12 +17,34 @@ softmax(z) restricted to the survivors exactly. u_v comes from a counter-based h
 product stays below 2^63, so no overflow), u = (bits + 0.5) / 2^32 in fp64 (exact), then g in fp64.
 No torch.Generator, no state: the same (seed, sequence, position) gives the same draw in any batch.
 
-Batch invariance of the arithmetic: every row is processed alone, at the fixed shape [V]. Torch picks
+Invalid rows get no token: `sample` returns -1 for a row with any NaN logit (greedy or sampled), a
+sampled row whose tempered z reaches +inf (a +inf logit, or logit / T overflowing fp32: softmax is
+undefined there), or a row with no logit above -inf. -inf logits are otherwise ordinary: probability 0,
+never drawn, never the greedy argmax unless nothing else is left (then -1). A greedy row with +inf
+logits takes the first of them. `check_tokens` turns a -1 into one error naming the request (the
+engine's step reads the tokens on the host anyway, so the check costs no extra sync).
+
+Two implementations of this one rule:
+  * on CUDA, `sample` launches rl_engine.kernels.ops.triton.sampling.sampler: one Triton program per row,
+    no sort (top-k and top-p thresholds by bisection over order-preserving int32 keys of z, then the
+    ties at the top-p cut in id order), the same uint32 hash, fp64 Gumbel transform and first-index
+    argmax; parameters travel as device tensors (`sampling_tensors`), so it never syncs and can be
+    captured in a CUDA graph;
+  * elsewhere (the CPU, and the reference `sample_reference` anywhere), the torch code below: sort,
+    softmax and cumsum per row. Under Triton's CPU interpreter the kernel costs seconds per row with
+    top-k/top-p (each bisection step is a pass over the row), so CPU runs keep the torch path; tests run
+    the kernel there at tiny V.
+The two agree token for token except where rounding decides: the fp64 log (libm vs libdevice/numpy) can
+differ by an ulp, so two scores within a few ulps may swap; and a token at a min-p or top-p boundary
+(its ratio or its mass before equal to the threshold within fp32 rounding: the sums run in different
+orders) may fall on the other side. Each path alone is deterministic and batch invariant.
+
+Batch invariance of the torch arithmetic: every row is processed alone, at the fixed shape [V]. Torch picks
 code paths by tensor shape (on a CPU: vectorised body vs scalar tail of elementwise exp/log, a two-pass
 parallel reduction when a reduction has a single output), so the same row inside [B,V] could round
-differently from the row alone. Cost: B small launches per op per step on a GPU (a one-program-per-row
-sampler kernel would remove it). Greedy rows are the exception: an argmax rounds nothing, so all of them
-take one batched argmax.
+differently from the row alone. Greedy rows are the exception: an argmax rounds nothing, so all of them
+take one batched argmax. The kernel is invariant by construction: a program reads its row alone, with a
+BLOCK fixed per V and loops in a fixed order.
 """
 
 from __future__ import annotations
@@ -119,30 +141,81 @@ def keep_mask(z: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return keep
 
 
+def _invalid(z: torch.Tensor, greedy: bool) -> torch.Tensor:
+    """bool (any leading shape): the rows of z [..., V] that get no token (module docstring)."""
+    bad = torch.isnan(z).any(-1) | ~(z > -math.inf).any(-1)
+    return bad if greedy else bad | torch.isposinf(z).any(-1)
+
+
 def sample_row(logits: torch.Tensor, params: SamplingParams, sequence_id: int, position: int) -> torch.Tensor:
-    """The token (0-dim int64) drawn for `sequence_id` at `position` from its logits row [V] (any float dtype)."""
+    """The token (0-dim int64; -1: no token) drawn for `sequence_id` at `position` from its logits row [V]."""
     z = logits.float()
     if params.greedy:
-        return torch.argmax(z)
+        return torch.where(_invalid(z, True), -1, torch.argmax(z))
     z = z / params.temperature
     keep = keep_mask(z, params)
     g = -torch.log(-torch.log(uniforms(params.seed, sequence_id, position, z.shape[0], z.device)))
     score = torch.where(keep, z.double() + g, -math.inf)
-    return torch.argmax(score)
+    return torch.where(_invalid(z, False), -1, torch.argmax(score))
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], sequence_ids: list[int],
-           positions: list[int]) -> torch.Tensor:
-    """int64 [B]: one token per row of logits [B,V]; row b is sampled alone (module docstring)."""
+def _check_batch(logits: torch.Tensor, params: list, sequence_ids: list, positions: list) -> None:
     if logits.dim() != 2 or not len(params) == len(sequence_ids) == len(positions) == logits.shape[0]:
         raise ValueError(f"sample: expected logits [B,V] and B params, ids, positions; got {tuple(logits.shape)}, "
                          f"{len(params)}, {len(sequence_ids)}, {len(positions)}")
+    for name, values in (("sequence_ids", sequence_ids), ("positions", positions)):
+        if not all(isinstance(x, int) and -(2**63) <= x < 2**63 for x in values):
+            raise ValueError(f"{name}: expected int64 integers, got {values!r}")
+
+
+def sample_reference(logits: torch.Tensor, params: list[SamplingParams], sequence_ids: list[int],
+                     positions: list[int]) -> torch.Tensor:
+    """int64 [B]: the torch path (module docstring), row by row; on any device."""
+    _check_batch(logits, params, sequence_ids, positions)
     out = torch.empty(len(params), dtype=torch.int64, device=logits.device)
     greedy = [b for b, p in enumerate(params) if p.greedy]
     if greedy:  # an argmax is exact (no rounding; first index on ties) in any batch: one launch for all
         index = torch.tensor(greedy, device=logits.device)
-        out[index] = torch.argmax(logits[index].float(), dim=1)
+        rows = logits[index].float()
+        out[index] = torch.where(_invalid(rows, True), -1, torch.argmax(rows, dim=1))
     for b, (p, s, pos) in enumerate(zip(params, sequence_ids, positions)):
         if not p.greedy:
             out[b] = sample_row(logits[b], p, s, pos)
     return out
+
+
+def sampling_tensors(params: list[SamplingParams], sequence_ids: list[int], positions: list[int],
+                     device) -> tuple[torch.Tensor, ...]:
+    """The kernel's per-row inputs on `device`: fp32 temperature, int64 top_k, fp32 top_p, fp32 min_p, int64
+    seed, sequence_ids, positions, each [B]. Two host-to-device copies, asynchronous on CUDA (pinned)."""
+    floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
+                          dtype=torch.float32).reshape(3, len(params))
+    ints = torch.tensor([[p.top_k for p in params], [p.seed for p in params], list(sequence_ids), list(positions)],
+                        dtype=torch.int64).reshape(4, len(params))
+    device = torch.device(device)
+    if device.type == "cuda":
+        floats = floats.pin_memory().to(device, non_blocking=True)
+        ints = ints.pin_memory().to(device, non_blocking=True)
+    else:
+        floats, ints = floats.to(device), ints.to(device)
+    return floats[0], ints[0], floats[1], floats[2], ints[1], ints[2], ints[3]
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], sequence_ids: list[int],
+           positions: list[int]) -> torch.Tensor:
+    """int64 [B]: one token per row of logits [B,V] (-1: no token, see `check_tokens`); row b is sampled
+    alone. On CUDA the Triton sampler kernel, elsewhere the torch path (module docstring)."""
+    _check_batch(logits, params, sequence_ids, positions)
+    if not logits.is_cuda:
+        return sample_reference(logits, params, sequence_ids, positions)
+    from rl_engine.kernels.ops.triton.sampling.sampler import sample_tokens
+
+    return sample_tokens(logits, *sampling_tensors(params, sequence_ids, positions, logits.device))
+
+
+def check_tokens(tokens: list[int], sequence_ids: list[int]) -> None:
+    """ValueError naming the first request whose row got no token (-1 from `sample`)."""
+    for token, sequence_id in zip(tokens, sequence_ids):
+        if token < 0:
+            raise ValueError(f"request {sequence_id}: its logits hold NaN or +inf (after temperature), or nothing "
+                             f"above -inf: no token can be sampled")
