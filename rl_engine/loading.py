@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import os
+import sys
 
 from rl_engine.errors import UsageError
 
@@ -25,6 +27,26 @@ def split_path(path: str, what: str) -> tuple[str, str]:
     if not module_name or not attr or not sep:
         raise UsageError(f"{what} must be 'module:attr', got {path!r}")
     return module_name, attr
+
+
+def module_file(path: str) -> str | None:
+    """The source file the module of `path` would be imported from, found on sys.path without importing
+    anything (a provider's code must not run in the checker); None when not found (a namespace, a
+    built-in, an already imported module without a file)."""
+    try:
+        module_name, _ = split_path(path, "module")
+    except UsageError:
+        return None
+    module = sys.modules.get(module_name)
+    if module is not None:
+        return getattr(module, "__file__", None)
+    parts = module_name.split(".")
+    for entry in sys.path:
+        base = os.path.join(entry or os.getcwd(), *parts)
+        for candidate in (base + ".py", os.path.join(base, "__init__.py")):
+            if os.path.isfile(candidate):
+                return candidate
+    return None
 
 
 def load_object(path: str, what: str):

@@ -16,7 +16,7 @@ import torch
 from rl_engine.errors import UsageError
 from rl_engine.models.families import CONFIGS, get_config
 from rl_engine.models.profiles import PROFILES
-from rl_engine.outputs import atomic_path, check_writable, write_atomic
+from rl_engine.outputs import atomic_path, check_run_paths, check_writable, write_atomic
 
 # Models whose manifest entry pins a synthetic weight hash (the tiny ones) are drawn on the CPU
 # generator; the others are drawn directly on the target device (16 GB of bf16 for an 8B), so their
@@ -51,8 +51,8 @@ def _device(name: str) -> torch.device:
         raise UsageError(f"--device: {exc}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device: CUDA asked for but not available")
-    if device.type not in ("cpu", "cuda"):
-        raise UsageError(f"--device: expected cpu or cuda, got {name!r}")
+    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index not in (None, 0)):
+        raise UsageError(f"--device: expected cpu or cuda[:N], got {name!r}")
     return device
 
 
@@ -178,6 +178,16 @@ def run(args) -> int:
         # Triton kernels run under the interpreter on a CPU; it must be set before they import.
         os.environ.setdefault("TRITON_INTERPRET", "1")
     config, pinned = _config(args)
+    stem = f"invariance_{args.profile}_{re.sub(r'[^A-Za-z0-9._-]', '_', config.name.split('[')[0])}"
+    plot_dir = args.out or (json_path.parent if json_path else None)
+    plot_name = f"{json_path.stem}.png" if json_path and args.out is None else f"{stem}.png"
+    outputs = [("--json", json_path), ("--out", args.out / f"{stem}.json" if args.out is not None else None),
+               ("the failure plot", plot_dir / plot_name if plot_dir is not None else None)]
+    for flag, path in outputs[1:]:
+        if path is not None:
+            check_writable(path, flag)
+    check_run_paths(outputs, [("--config", args.config), ("--weights-path", args.weights_path),
+                              ("--manifest", args.manifest)])
     try:
         workload = load_workload(config, args.manifest, pinned=pinned)
     except ManifestError as exc:
@@ -200,11 +210,8 @@ def run(args) -> int:
     report["weights"] = weight_info
     report["layers"] = config.num_layers
     tokens = report.pop("_tokens", None)
-    stem = f"invariance_{args.profile}_{re.sub(r'[^A-Za-z0-9._-]', '_', config.name.split('[')[0])}"
-    plot_dir = args.out or (json_path.parent if json_path else None)
     if plot_dir is not None and not report["passed"] and tokens:
         title = f"{args.profile} on {config.name}: |Δ| per token"
-        plot_name = f"{json_path.stem}.png" if json_path and args.out is None else f"{stem}.png"
         with atomic_path(plot_dir / plot_name) as tmp:
             plot_abs_dlogp(tokens, tmp, title)
         report["plot"] = str(plot_dir / plot_name)

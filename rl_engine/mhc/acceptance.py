@@ -38,13 +38,14 @@ import torch
 
 from rl_engine.environment import environment
 from rl_engine.errors import UsageError
+from rl_engine.loading import module_file
 from rl_engine.mhc import oracle
 from rl_engine.mhc.contract import JUDGMENTS, judgment_for
 from rl_engine.mhc.fixtures import GOLDEN_PATH, Case, build_inputs, load_golden, select_cases
 from rl_engine.mhc.isolation import DEFAULT_CASE_TIMEOUT_S, IsolatedProvider
 from rl_engine.mhc.provider import check_capability, check_spec
 from rl_engine.mhc.trace import boundaries_for, compare, tensor_sha256
-from rl_engine.outputs import check_writable, write_atomic
+from rl_engine.outputs import check_run_paths, check_writable, write_atomic
 
 
 def resolve_judgment(provider) -> tuple[dict | None, str]:
@@ -286,9 +287,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--device cuda requested but CUDA is not available")
     if not (math.isfinite(args.case_timeout) and args.case_timeout > 0):
         raise UsageError(f"--case-timeout must be a positive number of seconds, got {args.case_timeout:g}")
+    check_spec(args.provider)  # the spec's form only: its module is imported in its own process
     if args.json:
         check_writable(args.json, "--json")
-    check_spec(args.provider)  # the spec's form only: its module is imported in its own process
+        check_run_paths([("--json", args.json)], [("--golden", args.golden),
+                                                  ("--provider's source", module_file(args.provider))])
     cases = select_cases(args.cases)
     manifest = load_golden(args.golden)
     report = check_provider(args.provider, cases, args.device, manifest, not args.skip_batch_invariance,

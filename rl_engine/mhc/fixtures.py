@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         device = torch.device(args.device)
     except RuntimeError:
         device = None
-    if device is None or device.type not in ("cpu", "cuda"):
+    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index not in (None, 0)):
         raise UsageError(f"--device: expected cpu or cuda[:N], got {args.device!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda requested but CUDA is not available")

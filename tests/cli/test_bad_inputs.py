@@ -1,11 +1,21 @@
-"""Every subcommand, driven with bad inputs: exit 2, exactly one line on stderr, no traceback, no work done.
+"""Every subcommand and the public API, driven with bad inputs: exit 2 (or the documented exception),
+exactly one line naming the input, no traceback, no work done, nothing written.
 
 Rows run in-process through cli.main (argparse errors arrive as SystemExit). Placeholders in the
 arguments are files made per test: BADJSON (not JSON), LIST (a JSON list), FILE (a regular file,
-so FILE/x.json has a parent that is not a directory), DIR (an existing directory), and the rest below.
+so FILE/x.json has a parent that is not a directory), DIR (an existing directory), PIPE_FILE (a named
+pipe), DEVNULL (/dev/null), NULL_LINK (a symlink to /dev/null), DIR_LINK (a symlink to DIR), CKPT
+(a checkpoint directory: config.json and model.safetensors), copies of the packaged CONTRACT, GOLDEN
+and MANIFEST, PROVIDER_MOD / CANDIDATE_MOD (importable modules in the test's directory, whose source
+files are PROVIDER_SRC / CANDIDATE_SRC), and the rest below. Every file under the test's directory
+is the same after the run as before it (an output refused before the work writes nothing).
 """
 
+import hashlib
 import json
+import os
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -96,10 +106,153 @@ ROWS = {
                                                                 "FILE/x.json"], "--manifest"),
 }
 
+OP = ("check-op", ["--op", "logp"])
+INV = ("check-invariance", ["--profile", "torch_bf16"])
+P1 = ("check-p1", ["--provider", REFERENCE])
+
+
+def _rows(base, table: dict) -> dict:
+    command, prefix = base
+    return {name: (command, [*prefix, *args], expected) for name, (args, expected) in table.items()}
+
+
+# Fail loud II (#56): devices, seeds, non-finite or negative numbers, time limits, outputs onto inputs,
+# onto non-regular files, and two outputs of one run on one path.
+ROWS.update(_rows(OP, {
+    "op: device meta": (["--device", "meta"], "--device meta: the checks run on cpu or cuda[:N] only"),
+    "op: device cpu:3": (["--device", "cpu:3"], "--device cpu:3: the checks run on cpu or cuda[:N] only"),
+    "op: device cuda:x": (["--device", "cuda:x"], "unknown device 'cuda:x'"),
+    "op: grad seed 2**70": (["--grad-seed", str(2**70)],
+                            f"--grad-seed: expected an integer in [0, 2**64), got {2**70}"),
+    "op: seed 2**64": (["--seed", str(2**64)], "--seed: expected an integer in [0, 2**64)"),
+    "op: negative seed": (["--seed", "-1"], "--seed: expected an integer in [0, 2**64), got -1"),
+    "op: negative grad seed": (["--grad-seed", "-5"], "--grad-seed"),
+    "op: seed not a number": (["--seed", "1.5"], "invalid int value: '1.5'"),
+    "op: theta inf": (["--theta", "inf"], "--theta: expected a positive finite number, got inf"),
+    "op: theta nan": (["--theta", "nan"], "--theta: expected a positive finite number, got nan"),
+    "op: theta zero": (["--theta", "0"], "--theta"),
+    "op: theta negative": (["--theta", "-1e4"], "--theta"),
+    "op: eps inf": (["--eps", "inf"], "--eps: expected a non-negative finite number, got inf"),
+    "op: eps nan": (["--eps", "nan"], "--eps"),
+    "op: eps negative": (["--eps", "-1e-6"], "--eps"),
+    "op: case timeout zero": (["--case-timeout", "0"], "--case-timeout must be a positive number of seconds, got 0"),
+    "op: case timeout negative": (["--case-timeout", "-3"], "--case-timeout"),
+    "op: case timeout nan": (["--case-timeout", "nan"], "--case-timeout"),
+    "op: case timeout inf": (["--case-timeout", "inf"], "--case-timeout"),
+    "op: case timeout not a number": (["--case-timeout", "soon"], "invalid float value: 'soon'"),
+    "op: constant value nan": (["--input-mode", "constant", "--constant-value", "nan"],
+                               "--constant-value: expected a finite number, got nan"),
+    "op: constant value inf": (["--input-mode", "constant", "--constant-value", "inf"], "--constant-value"),
+    "op: constant value -inf": (["--input-mode", "constant", "--constant-value", "-inf"], "--constant-value"),
+    "op: negative token value": (["--token-value", "-1"], "--token-value: expected a non-negative id"),
+    "op: unknown input mode": (["--input-mode", "zeros"], "--input-mode: expected random or constant"),
+    "op: unknown grad mode": (["--grad-mode", "zeros"], "--grad-mode"),
+    "op: heads not divisible": (["--n-heads", "4", "--n-kv-heads", "3"], "--n-kv-heads: 3 must divide"),
+    "op: odd head dim": (["--head-dim", "7"], "--head-dim: rope needs an even head dim"),
+    "op: qwen3-8b with a zero batch": (["--qwen3-8b", "--batch", "0"], "--batch"),
+    "op: zero vocab": (["--vocab", "0"], "--vocab"),
+    "op: candidate without a module": (["--candidate", ":logp"], "candidate must be 'module:attr'"),
+    "op: contract is a directory": (["--contract", "DIR"], "DIR"),
+    "op: missing contract": (["--contract", "DIR/none.json"], "none.json"),
+    "op: json-out is a FIFO": (["--json-out", "PIPE_FILE"],
+                               "--json-out PIPE_FILE: exists and is a FIFO, not a regular file"),
+    "op: json-out is /dev/null": (["--json-out", "DEVNULL"], "exists and is a character device"),
+    "op: json-out links to /dev/null": (["--json-out", "NULL_LINK"], "NULL_LINK: exists and is a character device"),
+    "op: json-out links to a directory": (["--json-out", "DIR_LINK"], "--json-out DIR_LINK: is a directory"),
+    "op: json-out onto the contract": (["--contract", "CONTRACT", "--json-out", "CONTRACT"],
+                                       "--json-out CONTRACT: is --contract CONTRACT, an input of this run"),
+    "op: json-out onto the candidate's source": (["--candidate", "CANDIDATE_MOD:logp", "--json-out", "CANDIDATE_SRC"],
+                                                 "--json-out CANDIDATE_SRC: is --candidate's source"),
+}))
+ROWS.update(_rows(P1, {
+    "p1: case timeout zero": (["--case-timeout", "0"], "--case-timeout must be a positive number of seconds"),
+    "p1: case timeout negative": (["--case-timeout", "-1"], "--case-timeout"),
+    "p1: case timeout nan": (["--case-timeout", "nan"], "--case-timeout"),
+    "p1: case timeout inf": (["--case-timeout", "inf"], "--case-timeout"),
+    "p1: device cpu:3": (["--device", "cpu:3"], "invalid choice: 'cpu:3'"),
+    "p1: device meta": (["--device", "meta"], "invalid choice: 'meta'"),
+    "p1: no case after --cases": (["--cases"], "expected at least one argument"),
+    "p1: json is a FIFO": (["--json", "PIPE_FILE"], "--json PIPE_FILE: exists and is a FIFO"),
+    "p1: json is /dev/null": (["--json", "DEVNULL"], "--json DEVNULL: exists and is a character device"),
+    "p1: json links to /dev/null": (["--json", "NULL_LINK"], "exists and is a character device"),
+    "p1: json is a directory": (["--json", "DIR"], "--json DIR: is a directory"),
+    "p1: json links to a directory": (["--json", "DIR_LINK"], "is a directory"),
+    "p1: json onto the golden manifest": (["--golden", "GOLDEN", "--json", "GOLDEN"],
+                                          "--json GOLDEN: is --golden GOLDEN, an input of this run"),
+}))
+ROWS.update({
+    "p1: provider without a module": ("check-p1", ["--provider", ":ReferenceProvider"], "module:Class"),
+    "p1: provider without a class": ("check-p1", ["--provider", "rl_engine.mhc.provider:"], "module:Class"),
+    "p1: json onto the provider's source": ("check-p1", ["--provider", "PROVIDER_MOD:P", "--json", "PROVIDER_SRC"],
+                                            "--json PROVIDER_SRC: is --provider's source PROVIDER_SRC"),
+})
+ROWS.update(_rows(INV, {
+    "inv: device meta": (["--device", "meta"], "--device: expected cpu or cuda[:N], got 'meta'"),
+    "inv: device cpu:3": (["--device", "cpu:3"], "--device: expected cpu or cuda[:N], got 'cpu:3'"),
+    "inv: absurd layers": (["--layers", str(10**9)], "--layers"),
+    "inv: json onto its own plot": (["--json", "DIR/x.png"],
+                                    "the failure plot DIR/x.png: the same path as --json DIR/x.png"),
+    "inv: json onto the out report": (["--out", "DIR", "--json", "DIR/invariance_torch_bf16_tiny.json"],
+                                      "--out DIR/invariance_torch_bf16_tiny.json: the same path as --json"),
+    "inv: json onto the manifest": (["--manifest", "MANIFEST", "--json", "MANIFEST"],
+                                    "--json MANIFEST: is --manifest MANIFEST, an input of this run"),
+    "inv: json onto the checkpoint's config": (["--weights-path", "CKPT", "--json", "CKPT/config.json"],
+                                               "--json CKPT/config.json: is a file of --weights-path CKPT"),
+    "inv: json onto the checkpoint's weights": (["--weights-path", "CKPT", "--json", "CKPT/model.safetensors"],
+                                                "--json CKPT/model.safetensors: is a file of --weights-path CKPT"),
+    "inv: json onto --config": (["--config", "CKPT/config.json", "--json", "CKPT/config.json"],
+                                "--json CKPT/config.json: is --config CKPT/config.json"),
+    "inv: json is a FIFO": (["--json", "PIPE_FILE"], "--json PIPE_FILE: exists and is a FIFO"),
+    "inv: json is /dev/null": (["--json", "DEVNULL"], "exists and is a character device"),
+    "inv: json links to a directory": (["--json", "DIR_LINK"], "is a directory"),
+    "inv: out is a FIFO": (["--out", "PIPE_FILE"], "--out PIPE_FILE: exists and is not a directory"),
+    "inv: out links to /dev/null": (["--out", "NULL_LINK"], "--out NULL_LINK: exists and is not a directory"),
+}))
+ROWS.update({
+    "tp: seed 2**80": ("check-tp", ["--seed", str(2**80)], f"--seed: expected an integer in [0, 2**63), got {2**80}"),
+    "tp: negative seed": ("check-tp", ["--seed", "-1"], "--seed: expected an integer in [0, 2**63), got -1"),
+    "tp: preset gpu on the cpu": ("check-tp", ["--preset", "gpu"], "--preset gpu: sizes for GPU tiles"),
+    "tp: preset large on the cpu": ("check-tp", ["--preset", "large"], "--preset large"),
+    "tp: json is a FIFO": ("check-tp", ["--json", "PIPE_FILE"], "--json PIPE_FILE: exists and is a FIFO"),
+    "tp: json is /dev/null": ("check-tp", ["--json", "DEVNULL"], "exists and is a character device"),
+    "tp: json is a directory": ("check-tp", ["--json", "DIR"], "--json DIR: is a directory"),
+    "tp: empty world sizes": ("check-tp", ["--world-sizes", ","], "--world-sizes"),
+    "golden: device cpu:3": ("mhc-golden", ["--cases", "one_row", "--device", "cpu:3"],
+                             "--device: expected cpu or cuda[:N], got 'cpu:3'"),
+    "golden: device meta": ("mhc-golden", ["--cases", "one_row", "--device", "meta"], "--device"),
+    "golden: write onto a FIFO": ("mhc-golden", ["--write", "--cases", "one_row", "--manifest", "PIPE_FILE"],
+                                  "--manifest PIPE_FILE: exists and is a FIFO"),
+    "golden: write onto /dev/null": ("mhc-golden", ["--write", "--cases", "one_row", "--manifest", "DEVNULL"],
+                                     "exists and is a character device"),
+    "golden: write onto a directory": ("mhc-golden", ["--write", "--cases", "one_row", "--manifest", "DIR"],
+                                       "is a directory"),
+})
+
+
+QWEN3_TINY = {"model_type": "qwen3", "vocab_size": 257, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False, "hidden_act": "silu"}
+
 
 @pytest.fixture
-def files(tmp_path):
+def files(tmp_path, monkeypatch):
     """Placeholder -> path of a bad input file."""
+    from rl_engine.kernels.gtest.tolerance import DEFAULT_CONTRACT_PATH as CONTRACT_PATH
+    from rl_engine.mhc.fixtures import GOLDEN_PATH
+    from rl_engine.workload.manifest import MANIFEST_PATH
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "null_link").symlink_to(os.devnull)
+    (tmp_path / "dir_link").symlink_to(tmp_path / "dir", target_is_directory=True)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(QWEN3_TINY))
+    (tmp_path / "ckpt" / "model.safetensors").write_bytes(b"weights")
+    shutil.copy(CONTRACT_PATH, tmp_path / "contract.json")
+    shutil.copy(GOLDEN_PATH, tmp_path / "golden.json")
+    shutil.copy(MANIFEST_PATH, tmp_path / "manifest.json")
+    (tmp_path / "planted_provider_mod.py").write_text("from rl_engine.mhc.provider import ReferenceProvider as P\n")
+    (tmp_path / "planted_candidate_mod.py").write_text("def logp(logits, target_ids):\n    return logits\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "file").write_text("a file, not a directory\n")
@@ -114,8 +267,27 @@ def files(tmp_path):
         "BADJSON": tmp_path / "bad.json", "LIST": tmp_path / "list.json", "FILE": tmp_path / "file",
         "DIR": tmp_path / "dir", "GOLDEN_CORRUPT": tmp_path / "golden_corrupt.json",
         "GOLDEN_CASES_LIST": tmp_path / "golden_cases_list.json", "CKPT_BADJSON": tmp_path / "ckpt_badjson",
-        "CKPT_LIST": tmp_path / "ckpt_list",
+        "CKPT_LIST": tmp_path / "ckpt_list", "PIPE_FILE": tmp_path / "fifo", "DEVNULL": Path(os.devnull),
+        "NULL_LINK": tmp_path / "null_link", "DIR_LINK": tmp_path / "dir_link", "CKPT": tmp_path / "ckpt",
+        "CONTRACT": tmp_path / "contract.json", "GOLDEN": tmp_path / "golden.json",
+        "MANIFEST": tmp_path / "manifest.json", "PROVIDER_MOD": "planted_provider_mod",
+        "PROVIDER_SRC": tmp_path / "planted_provider_mod.py", "CANDIDATE_MOD": "planted_candidate_mod",
+        "CANDIDATE_SRC": tmp_path / "planted_candidate_mod.py",
     }
+
+
+def snapshot(root: Path) -> dict:
+    """Every entry under `root`, not followed: its kind, size, modification time and (files) content hash."""
+    state = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            st = path.lstat()
+            digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() and not path.is_symlink() else ""
+            # a directory's own times change with the writability probe (a file made and removed): not compared
+            times = () if path.is_dir() and not path.is_symlink() else (st.st_size, st.st_mtime_ns)
+            state[str(path.relative_to(root))] = (st.st_mode, *times, digest)
+    return state
 
 
 def _substitute(text: str, files: dict) -> str:
@@ -138,9 +310,11 @@ PARAMS = [pytest.param(command, args, expected, id=name, marks=marks)
 
 
 @pytest.mark.parametrize("command, args, expected", PARAMS)
-def test_bad_input_is_one_line_and_exit_2_before_any_work(capsys, files, command, args, expected):
+def test_bad_input_is_one_line_and_exit_2_before_any_work(capsys, files, tmp_path, command, args, expected):
     argv = ([command] if command else []) + [_substitute(a, files) for a in args]
+    before = snapshot(tmp_path)
     code, out, err = run_cli(capsys, argv)
+    assert snapshot(tmp_path) == before  # nothing written, nothing replaced
     expected = _substitute(expected, files)
     lines = err.splitlines()
     assert code == 2, err

@@ -150,3 +150,33 @@ def test_a_closed_output_pipe_ends_quietly():
                            stderr=subprocess.PIPE, text=True, env=env, timeout=120)
     os.close(write_end)
     assert child.returncode == 141 and child.stderr == "", child.stderr
+
+
+def test_an_output_on_an_input_or_on_another_output_is_refused_through_links(tmp_path):
+    from rl_engine.outputs import check_run_paths
+
+    (tmp_path / "ckpt").mkdir()
+    config = tmp_path / "ckpt" / "config.json"
+    config.write_text("{}")
+    os.link(config, tmp_path / "hard.json")
+    (tmp_path / "soft.json").symlink_to(config)
+    dotted = tmp_path / "sub" / ".." / "ckpt" / "config.json"
+    for out in (config, tmp_path / "hard.json", tmp_path / "soft.json", dotted):
+        with pytest.raises(UsageError, match=r"an input of this run"):
+            check_run_paths([("--json", out)], [("--config", config)])
+    with pytest.raises(UsageError, match=r"is a file of --weights-path"):
+        check_run_paths([("--json", config)], [("--weights-path", tmp_path / "ckpt")])
+    check_run_paths([("--json", tmp_path / "ckpt" / "new_report.json")], [("--weights-path", tmp_path / "ckpt")])
+    with pytest.raises(UsageError, match=r"--b .*the same path as --a"):
+        check_run_paths([("--a", tmp_path / "r.json"), ("--b", tmp_path / "sub" / ".." / "r.json")])
+    check_run_paths([("--a", tmp_path / "r.json"), ("--b", None)], [("--c", None)])
+    assert config.read_text() == "{}"
+
+
+def test_an_existing_non_regular_file_is_never_replaced(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "null").symlink_to(os.devnull)
+    for path, kind in ((tmp_path / "fifo", "a FIFO"), (tmp_path / "null", "a character device"),
+                       (Path(os.devnull), "a character device")):
+        with pytest.raises(UsageError, match=f"exists and is {kind}, not a regular file"):
+            check_writable(path, "--json")

@@ -18,7 +18,8 @@ from rl_engine.kernels.gtest.operator_inputs import INPUT_MODES, QWEN3_8B, Opera
 from rl_engine.kernels.gtest.operator_specs import get_spec, make_candidate, make_operator_case
 from rl_engine.kernels.gtest.tolerance import DTYPES, ContractError, load_contract
 from rl_engine.kernels.records import OPS
-from rl_engine.outputs import check_writable, write_atomic
+from rl_engine.loading import module_file
+from rl_engine.outputs import check_run_paths, check_writable, write_atomic
 
 DEFAULT_CASE_TIMEOUT_S = 600.0
 # flag -> OperatorDims field; the defaults live in OperatorDims, so the flags default to None.
@@ -113,6 +114,8 @@ def run(args) -> int:
         return 0
     if args.json_out:
         check_writable(args.json_out, "--json-out")
+        check_run_paths([("--json-out", args.json_out)], [("--contract", args.contract),
+                                                          ("--candidate's source", module_file(args.candidate))])
     if not args.op:
         raise UsageError(f"--op is required; valid ops: {', '.join(OPS)}")
     spec = get_spec(args.op)
@@ -131,6 +134,8 @@ def run(args) -> int:
             raise UsageError(f"{flag}: expected an integer in [0, 2**64), got {seed}")
     if not (math.isfinite(args.case_timeout) and args.case_timeout > 0):
         raise UsageError(f"--case-timeout must be a positive number of seconds, got {args.case_timeout:g}")
+    if not math.isfinite(args.constant_value):
+        raise UsageError(f"--constant-value: expected a finite number, got {args.constant_value}")
     if args.token_value < 0:
         raise UsageError(f"--token-value: expected a non-negative id, got {args.token_value}")
     dims = dims_from_args(args)
