@@ -33,6 +33,7 @@ from rl_engine.parallel.invariance import (
 )
 from rl_engine.parallel.launch import BACKENDS, COMMUNICATION_ENV, spawn_group
 
+SEED_LIMIT = 2**63  # the cases add small offsets to the seed; torch generators take 64 bits
 PRESETS = {
     "small": ProblemSizes(),  # the interpreter's tiles (CPU)
     "gpu": ProblemSizes(hidden=256, vocab=16384, features_out=64),  # the GPU's tiles, small
@@ -97,6 +98,11 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cpu" and not interpreting():
         raise UsageError("--device cpu: the Triton kernels run under Triton's interpreter there; "
                          "set TRITON_INTERPRET=1")
+    if args.device == "cpu" and args.preset != "small":
+        raise UsageError(f"--preset {args.preset}: sizes for GPU tiles, minutes under the CPU interpreter; "
+                         f"use --preset small on --device cpu")
+    if not 0 <= args.seed < SEED_LIMIT:
+        raise UsageError(f"--seed: expected an integer in [0, 2**63), got {args.seed}")
     sizes = dataclasses.replace(PRESETS[args.preset], seed=args.seed)
     _check_sizes(sizes, args.preset)
     if args.json:

@@ -2,8 +2,10 @@
 
 `spawn_group(fn, world_size, backend=..., device=...)` starts `world_size` processes with
 torch.multiprocessing (spawn), joins them through a file:// store in a fresh temporary directory
-(no TCP port to race for), calls `fn(rank, world_size, device, *args)` on each, and returns each
-rank's result (a dict of tensors, moved to the CPU) in rank order. A failure on any rank raises here.
+(no TCP port to race for; its name carries the launcher's pid, and a launch first removes the
+directories of launchers that are gone, e.g. SIGKILLed, so nothing stays behind for long), calls
+`fn(rank, world_size, device, *args)` on each, and returns each rank's result (a dict of tensors,
+moved to the CPU) in rank order. A failure on any rank raises here.
 
 Interrupts belong to the launcher: the ranks ignore SIGINT (so Ctrl-C to the process group reaches
 only this process, not four tracebacks) and die with it (PR_SET_PDEATHSIG); any exception here
@@ -16,9 +18,11 @@ from __future__ import annotations
 import ctypes
 import datetime
 import os
+import shutil
 import signal
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 
 import torch
@@ -102,6 +106,46 @@ def _children_ignore_sigint():
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
+RUN_DIR_PREFIX = "rl_engine_tp_"
+LEGACY_STALE_S = 3600.0  # a directory without a pid in its name: stale once untouched this long
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_run_dirs(root: str | None = None) -> list[str]:
+    """Remove the run directories (`rl_engine_tp_<pid>_*`) whose launcher is no longer running; returns them."""
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(RUN_DIR_PREFIX):
+            continue
+        path = os.path.join(root, name)
+        pid_text = name[len(RUN_DIR_PREFIX):].split("_", 1)[0]
+        try:
+            if pid_text.isdigit():
+                stale = not _alive(int(pid_text))
+            else:
+                stale = time.time() - os.stat(path).st_mtime > LEGACY_STALE_S
+            if stale and os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+                removed.append(path)
+        except OSError:  # another launcher removed it first, or it is not ours to remove
+            continue
+    return removed
+
+
 def spawn_group(
     fn, world_size: int, *, backend: str = "gloo", device: str = "cpu", args: tuple = (),
     num_threads: int = 1, timeout_s: int = 300,
@@ -110,7 +154,8 @@ def spawn_group(
     check_backend(backend, device)
     if device == "cuda" and torch.cuda.device_count() < world_size:
         raise ValueError(f"world_size: {world_size} ranks need {world_size} GPUs, found {torch.cuda.device_count()}")
-    with tempfile.TemporaryDirectory(prefix="rl_engine_tp_") as tmp:
+    remove_stale_run_dirs()
+    with tempfile.TemporaryDirectory(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}_") as tmp:
         context = None
         try:
             with _children_ignore_sigint():
