@@ -6,10 +6,11 @@
 
 For each (batch, context) it builds a pool of pages in shuffled order (spare pages between them) and the contiguous
 cache those pages make, and checks bitwise: paged == contiguous as `kv_cache_attention` routes it (the Gluon decode on
-the H200) and == contiguous through flash.py's kernel (the one the paged call runs). Timings (CUDA graphs, median ms,
-GPU time): contiguous (default route), contiguous through flash.py, paged, and gather + contiguous (what the rollout's
-paged cache did before: one copy of the batch's pages per layer). Prints one JSON line per row and exits 1 if any
-bits differ.
+the H200) and == contiguous through flash.py's kernel; paged runs flash.py's kernel (gluon_decode.PAGED off, the
+default) and, as `paged_gluon`, the Gluon decode's page copies (PAGED on). Timings (CUDA graphs, median ms, GPU
+time): contiguous (default route), contiguous through flash.py, paged, paged_gluon, and gather + contiguous (what the
+rollout's paged cache did before: one copy of the batch's pages per layer). Prints one JSON line per row and exits 1
+if any bits differ.
 """
 
 from __future__ import annotations
@@ -50,6 +51,15 @@ def _flash_only():
         else contextlib.nullcontext()
 
 
+def _gluon_paged(on: bool):
+    """A context that sets gluon_decode.PAGED (paged calls through the Gluon decode's page copies, on the H200)."""
+    from unittest import mock
+
+    from rl_engine.kernels.ops.triton.attention import gluon_decode
+
+    return mock.patch.object(gluon_decode, "PAGED", on)
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
@@ -65,18 +75,25 @@ def row(batch: int, context: int, page: int, hq: int, hkv: int, d: int, device: 
     from rl_engine.kernels.ops.triton.attention import triton_kv_cache_attention as attend
 
     q, (kp, vp), table, lengths, (kc, vc) = build(batch, context, page, hq, hkv, d, device)
-    paged = attend(q, kp, vp, lengths, block_table=table)
+    with _gluon_paged(False):
+        paged = attend(q, kp, vp, lengths, block_table=table)
+    with _gluon_paged(True):
+        paged_gluon = attend(q, kp, vp, lengths, block_table=table)
     contiguous = attend(q, kc, vc, lengths)
     with _flash_only():
         flash_tiles = attend(q, kc, vc, lengths)
     out = {"batch": batch, "context": context, "page": page, "heads": f"{hq}/{hkv}x{d}",
            "finite": bool(torch.isfinite(paged).all()),
-           "paged_eq_contiguous": _same(paged, contiguous), "paged_eq_contiguous_flash": _same(paged, flash_tiles)}
+           "paged_eq_contiguous": _same(paged, contiguous), "paged_eq_contiguous_flash": _same(paged, flash_tiles),
+           "paged_gluon_eq_contiguous": _same(paged_gluon, contiguous)}
     if timing and device == "cuda":
         out["ms_contiguous"] = graph_ms(lambda: attend(q, kc, vc, lengths))
         with _flash_only():
             out["ms_contiguous_flash"] = graph_ms(lambda: attend(q, kc, vc, lengths))
-        out["ms_paged"] = graph_ms(lambda: attend(q, kp, vp, lengths, block_table=table))
+        with _gluon_paged(False):
+            out["ms_paged"] = graph_ms(lambda: attend(q, kp, vp, lengths, block_table=table))
+        with _gluon_paged(True):
+            out["ms_paged_gluon"] = graph_ms(lambda: attend(q, kp, vp, lengths, block_table=table))
         out["ms_gather_then_contiguous"] = graph_ms(
             lambda: attend(q, paged_cache_view(kp, table), paged_cache_view(vp, table), lengths))
         kv_bytes = 2 * int(lengths.sum()) * hkv * d * 2
@@ -103,7 +120,8 @@ def main(argv=None) -> int:
     for b in batches:
         for n in contexts:
             r = row(b, n, page, hq, hkv, d, device, not args.no_timing)
-            bad += not (r["finite"] and r["paged_eq_contiguous"] and r["paged_eq_contiguous_flash"])
+            bad += not all(r[key] for key in ("finite", "paged_eq_contiguous", "paged_eq_contiguous_flash",
+                                              "paged_gluon_eq_contiguous"))
             print(json.dumps(r), flush=True)
     print(f"paged_decode: {'BITS DIFFER in ' + str(bad) + ' rows' if bad else 'paged == contiguous bitwise'}")
     return 1 if bad else 0

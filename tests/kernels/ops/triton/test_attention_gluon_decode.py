@@ -20,20 +20,22 @@ import json, sys
 from rl_engine.kernels.ops.triton.attention.gluon_decode import compile_for_sm90
 from rl_engine.kernels.ops.triton.sm90 import ptxas_registers
 k = compile_for_sm90(int(sys.argv[1]), sys.argv[2] == "partial", int(sys.argv[3]), sys.argv[4] == "lengths",
-                     int(sys.argv[5]))
+                     int(sys.argv[5]), int(sys.argv[6]) or None)
 ptx = k.asm["ptx"]
 print(json.dumps({"shared": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"), **ptxas_registers(ptx)}))
 """
 
 
-@pytest.mark.parametrize("head_dim, mode, parts, seq, qn", [
-    (128, "final", 2, "table", 8), (128, "partial", 1, "table", 16), (128, "partial", 2, "lengths", 8),
-    (128, "partial", 2, "lengths", 16), (64, "final", 1, "lengths", 8), (64, "partial", 1, "table", 16)])
-def test_compiles_for_the_h200_without_serialised_wgmma(head_dim, mode, parts, seq, qn):
+# page: a paged cache read through its block table (16-key pages: four copies a block; 128: a block's part of a page)
+@pytest.mark.parametrize("head_dim, mode, parts, seq, qn, page", [
+    (128, "final", 2, "table", 8, 0), (128, "partial", 1, "table", 16, 0), (128, "partial", 2, "lengths", 8, 0),
+    (128, "partial", 2, "lengths", 16, 0), (64, "final", 1, "lengths", 8, 0), (64, "partial", 1, "table", 16, 0),
+    (128, "partial", 2, "lengths", 8, 16), (64, "final", 1, "table", 16, 128)])
+def test_compiles_for_the_h200_without_serialised_wgmma(head_dim, mode, parts, seq, qn, page):
     from rl_engine.kernels.ops.triton.sm90 import H200_SHARED_BYTES
 
     env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, "-c", COMPILE, str(head_dim), mode, str(parts), seq, str(qn)],
+    proc = subprocess.run([sys.executable, "-c", COMPILE, str(head_dim), mode, str(parts), seq, str(qn), str(page)],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -86,7 +88,7 @@ def test_gpu_gives_the_bits_of_flash_tiles_and_of_the_prefill(monkeypatch, head_
     lengths_t = torch.tensor(lengths, device="cuda")
     calls = []
     launch = gluon_decode._launch
-    monkeypatch.setattr(gluon_decode, "_launch", lambda *a: calls.append(a[-1]) or launch(*a))
+    monkeypatch.setattr(gluon_decode, "_launch", lambda *a, **kw: calls.append(a[-1]) or launch(*a, **kw))
     got = triton_kv_cache_attention(q, *caches, lengths_t)
     rows = [t.reshape(-1, 8 if t is not q else 32, head_dim) for t in (q, *caches)]
     table = kv_cache_table(lengths_t, sq, smax, "cuda")

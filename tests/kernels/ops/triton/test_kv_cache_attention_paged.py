@@ -141,15 +141,30 @@ def test_bad_block_tables_name_the_input():
         triton_kv_cache_attention(q, kp, vp[:, :2], lens, block_table=table)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("context", [1024, 4096])
-@pytest.mark.parametrize("batch", [1, 16, 64])
-def test_gpu_qwen3_8b_paged_decode_has_the_contiguous_bits(monkeypatch, batch, context):
-    # Qwen3-8B's attention (32 query heads on 8 KV heads of 128, bf16), 16-key pages in shuffled order among spare
-    # ones, lengths ending in different blocks: the paged step equals the contiguous cache as kv_cache_attention routes
-    # it (the Gluon decode on the H200) and through flash.py's kernel (the paged call's).
+def test_the_gluon_decode_takes_pages_of_whole_swizzle_atoms():
     from rl_engine.kernels.ops.triton.attention import gluon_decode
 
+    assert [p for p in (1, 3, 4, 8, 16, 24, 32, 64, 128, 256) if gluon_decode.pages_fit(p)] == [8, 16, 32, 64, 128, 256]
+    q, k = torch.zeros(1, 32, 128, dtype=BF16), torch.zeros(16, 8, 128, dtype=BF16)
+    assert not gluon_decode.covers(q, k, 1, 16)  # CPU rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gluon_paged", [False, True], ids=["paged-flash", "paged-gluon"])
+@pytest.mark.parametrize("context", [1024, 4096])
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_gpu_qwen3_8b_paged_decode_has_the_contiguous_bits(monkeypatch, batch, context, gluon_paged):
+    # Qwen3-8B's attention (32 query heads on 8 KV heads of 128, bf16), 16-key pages in shuffled order among spare
+    # ones, lengths ending in different blocks: the paged step equals the contiguous cache as kv_cache_attention routes
+    # it (the Gluon decode on the H200) and through flash.py's kernel. paged-flash: the paged call in flash.py's
+    # kernel (gluon_decode.PAGED off, the default); paged-gluon: in the Gluon decode's page copies (PAGED on).
+    from rl_engine.kernels.ops.triton.attention import gluon_decode
+
+    monkeypatch.setattr(gluon_decode, "PAGED", gluon_paged)
+    launches = []
+    launch = gluon_decode._launch
+    monkeypatch.setattr(gluon_decode, "_launch",
+                        lambda *a, **kw: launches.append(kw.get("block_table") is not None) or launch(*a, **kw))
     page, width = 16, context // 16
     gen = torch.Generator(device="cuda").manual_seed(batch + context)
     num_blocks = batch * width + 64
@@ -159,6 +174,8 @@ def test_gpu_qwen3_8b_paged_decode_has_the_contiguous_bits(monkeypatch, batch, c
     q = torch.randn(batch, 1, 32, 128, generator=gen, device="cuda", dtype=BF16)
     kc, vc = paged_cache_view(kp, table), paged_cache_view(vp, table)
     paged = triton_kv_cache_attention(q, kp, vp, lengths, block_table=table)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    assert launches == ([True] if gluon_paged and hopper else []), launches  # which kernel read the pages
     assert torch.isfinite(paged).all()
     assert _same_bits(paged, triton_kv_cache_attention(q, kc, vc, lengths)), "paged vs contiguous (default route)"
     monkeypatch.setattr(gluon_decode, "covers", lambda *a: False)

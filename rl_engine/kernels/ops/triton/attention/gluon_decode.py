@@ -71,19 +71,37 @@ L_ROWS = 64  # lᵀ's rows: the ones operand at the tensor cores' smallest M
 HEAD_DIMS = (64, 128)
 STAGES = 6  # K/V blocks in flight, each with its p̃ and alpha: 192 KiB of K/V at head_dim 128
 PARTS = None  # override of head_dim_parts (probes)
+# Paged caches through this kernel (page copies by TMA, `_load`); off: they run flash.py's kernel. Compiled for sm_90a
+# on the CPU, its bits not yet seen on the H200 (tests/kernels/ops/triton/test_kv_cache_attention_paged.py's gpu test).
+PAGED = False
 SOFTMAX_GROUPS = gl.constexpr(3)  # softmax warpgroups, each taking every third block: the kernel's partitions
 
 
 @gluon.jit
 def _load(desc_k, desc_v, k_bufs, v_bufs, ready, t, b0, k_row0, k_col, v_col, BLOCK_N: gl.constexpr,
-          STAGES: gl.constexpr):
-    """Block b0 + t of the walk into ring slot t % STAGES."""
+          STAGES: gl.constexpr, BLOCK_TABLE, stride_bt, kv_len, PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr,
+          PAGED: gl.constexpr):
+    """Block b0 + t of the walk into ring slot t % STAGES. PAGED: k_row0 is the sequence's block-table row and the
+    block comes in BLOCK_N // PAGE_ROWS copies of PAGE_ROWS rows (a page, or a block's part of a larger page), each
+    from its page; a copy past kv_len reads the last page that holds keys (its rows are masked, V's zeroed)."""
     slot = t % STAGES
     bar = ready.index(slot)
-    mbarrier.expect(bar, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
-    row = k_row0 + (b0 + t) * BLOCK_N
-    tma.async_copy_global_to_shared(desc_k, [row, k_col], bar, k_bufs.index(slot))
-    tma.async_copy_global_to_shared(desc_v, [row, v_col], bar, v_bufs.index(slot))
+    if PAGED:
+        COPIES: gl.constexpr = BLOCK_N // PAGE_ROWS
+        mbarrier.expect(bar, COPIES * (desc_k.block_type.nbytes + desc_v.block_type.nbytes))
+        for j in gl.static_range(COPIES):
+            pos = gl.minimum((b0 + t) * BLOCK_N + j * PAGE_ROWS, kv_len - 1)
+            page = gl.load(BLOCK_TABLE + k_row0 * stride_bt + pos // PAGE)
+            row = page * PAGE + pos % PAGE // PAGE_ROWS * PAGE_ROWS
+            tma.async_copy_global_to_shared(desc_k, [row, k_col], bar,
+                                            k_bufs.index(slot).slice(j * PAGE_ROWS, PAGE_ROWS))
+            tma.async_copy_global_to_shared(desc_v, [row, v_col], bar,
+                                            v_bufs.index(slot).slice(j * PAGE_ROWS, PAGE_ROWS))
+    else:
+        mbarrier.expect(bar, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
+        row = k_row0 + (b0 + t) * BLOCK_N
+        tma.async_copy_global_to_shared(desc_k, [row, k_col], bar, k_bufs.index(slot))
+        tma.async_copy_global_to_shared(desc_v, [row, v_col], bar, v_bufs.index(slot))
 
 
 @gluon.jit
@@ -162,13 +180,15 @@ def _rescale(acc, l_t, alpha):
 
 @gluon.jit
 def _loader(desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, b0, first, n, k_row0, k_col, v_col,
-            BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+            BLOCK_TABLE, stride_bt, kv_len, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE: gl.constexpr,
+            PAGE_ROWS: gl.constexpr, PAGED: gl.constexpr):
     """One warp: block t >= first's K and V into ring slot t % STAGES once the accumulator released its previous
     block."""
     for t in range(first, n):
         slot = t % STAGES
         mbarrier.wait(kv_empty.index(slot), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
-        _load(desc_k, desc_v, k_bufs, v_bufs, kv_ready, t, b0, k_row0, k_col, v_col, BLOCK_N, STAGES)
+        _load(desc_k, desc_v, k_bufs, v_bufs, kv_ready, t, b0, k_row0, k_col, v_col, BLOCK_N, STAGES,
+              BLOCK_TABLE, stride_bt, kv_len, PAGE, PAGE_ROWS, PAGED)
 
 
 @gluon.jit
@@ -232,16 +252,18 @@ def _launch_dependents():
 
 
 @gluon.jit
-def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
+def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO, BLOCK_TABLE,
                         stride_qr, stride_qh, stride_or, stride_oh, stride_lr,
-                        stride_ps, stride_pr, stride_ph, stride_as, stride_ar, stride_ah,
+                        stride_ps, stride_pr, stride_ph, stride_as, stride_ar, stride_ah, stride_bt,
                         qk_scale, group, q_per_head, cache_rows,
                         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, D_PARTS: gl.constexpr, QN: gl.constexpr,
                         L_M: gl.constexpr, STAGES: gl.constexpr, KV_SPLIT: gl.constexpr, PARTIAL: gl.constexpr,
-                        CAUSAL: gl.constexpr, FROM_LENGTHS: gl.constexpr, SOFTMAX_REGS: gl.constexpr = 96):
+                        CAUSAL: gl.constexpr, FROM_LENGTHS: gl.constexpr, PAGE: gl.constexpr = 1,
+                        PAGE_ROWS: gl.constexpr = 1, PAGED: gl.constexpr = False, SOFTMAX_REGS: gl.constexpr = 96):
     # Program (split, KV head · D_PARTS + part, sequence). Column c holds query c % q_per_head of the group's head
     # c // q_per_head. PARTIAL: the split's state for flash.py's combine kernel; otherwise the keys fit one split
-    # and the program writes the output.
+    # and the program writes the output. PAGED: K/V are a page pool's rows, a sequence's k_row0 its row of
+    # BLOCK_TABLE (`_load`); cache_rows = the table's width · PAGE.
     DV: gl.constexpr = HEAD_DIM // D_PARTS
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, QN, 16])
     row_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -256,7 +278,7 @@ def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
         q_row0 = seq * q_per_head
         q_count = q_per_head
         q_pos0 = kv_len - q_per_head
-        k_row0 = seq * cache_rows
+        k_row0 = seq if PAGED else seq * cache_rows
         window = _NO_WINDOW
     else:
         q_row0, q_count, q_pos0, k_row0, kv_len, window = _sequence(SEQ_INFO)
@@ -269,8 +291,9 @@ def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
     q = gl.load(Q + gl.expand_dims(q_off, 1) + gl.expand_dims(gl.arange(0, HEAD_DIM, gl.SliceLayout(0, q_layout)), 0),
                 mask=gl.expand_dims(ok_q, 1), other=0.0)
 
-    k_bufs = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
-    v_bufs = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
+    # a block's rows (a paged copy fills a part of them: the descriptors carry the block's layout)
+    k_bufs = gl.allocate_shared_memory(desc_k.dtype, [STAGES, BLOCK_N, desc_k.block_type.shape[1]], desc_k.layout)
+    v_bufs = gl.allocate_shared_memory(desc_v.dtype, [STAGES, BLOCK_N, desc_v.block_type.shape[1]], desc_v.layout)
     # block t's p̃ and alpha share its K/V ring slot t % STAGES and are released with it (kv_empty)
     p_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, QN],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, QN], gl.bfloat16))
@@ -305,7 +328,8 @@ def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
     filled = gl.minimum(n, STAGES)
     for t in gl.static_range(STAGES):
         if t < filled:
-            _load(desc_k, desc_v, k_bufs, v_bufs, kv_ready, t, b0, k_row0, k_col, v_col, BLOCK_N, STAGES)
+            _load(desc_k, desc_v, k_bufs, v_bufs, kv_ready, t, b0, k_row0, k_col, v_col, BLOCK_N, STAGES,
+                  BLOCK_TABLE, stride_bt, kv_len, PAGE, PAGE_ROWS, PAGED)
 
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [QN, HEAD_DIM],
                                        gl.NVMMASharedLayout.get_default_for([QN, HEAD_DIM], gl.bfloat16), q)
@@ -329,7 +353,7 @@ def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
         (_softmax, (q_smem, k_bufs, v_bufs, p_bufs, a_bufs, m_smem, maxima_smem, kv_ready, p_ready, m_ready, b0, n,
                     q_pos0, q_per_head, kv_len, window, qk_scale, 2, BLOCK_N, STAGES, QN, CAUSAL)),
         (_loader, (desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, b0, filled, n, k_row0, k_col, v_col,
-                   BLOCK_N, STAGES)),
+                   BLOCK_TABLE, stride_bt, kv_len, BLOCK_N, STAGES, PAGE, PAGE_ROWS, PAGED)),
     ], [4, 4, 4, 1], [SOFTMAX_REGS, SOFTMAX_REGS, SOFTMAX_REGS, 24])
     l = gl.max(l_t, 0)  # lᵀ's rows are equal (flash._l_rows)
     dv = part * DV + gl.arange(0, DV, row_l)
@@ -358,12 +382,18 @@ def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO,
 
 def covers(q: torch.Tensor, k: torch.Tensor, max_q_count: int, page_size: int | None = None) -> bool:
     """Whether this kernel takes a forward: bf16 rows at head_dim 64 / 128 on sm_90 under Triton 3.6, whose
-    group · queries fit QN columns; a paged cache (page_size given) goes to flash.py's kernel."""
-    if page_size is not None:
+    group · queries fit QN columns; a paged cache (page_size given) only with PAGED on and pages whose copies are
+    whole 8-row swizzle atoms of a key block (`pages_fit`)."""
+    if page_size is not None and not (PAGED and pages_fit(page_size)):
         return False
     if not (q.is_cuda and 0 < (q.shape[1] // k.shape[1]) * max_q_count <= QN):
         return False
     return gluon_forward.covers(q, k, k, HEAD_DIMS)
+
+
+def pages_fit(page_size: int, block_n: int = 64) -> bool:
+    """Pages a key block is copied from: a block of whole pages, or a part of one page, in copies of >= 8 rows."""
+    return page_size % 8 == 0 and (block_n % page_size == 0 or page_size % block_n == 0)
 
 
 def query_columns(group: int, max_q_count: int) -> int:
@@ -385,32 +415,33 @@ def _v_layout(rows: int, cols: int):
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
 
 
-def _columns_descriptor(x: torch.Tensor, block_rows: int, block_cols: int):
-    """A TMA descriptor of bf16 rows [R, H, D] seen as [R, H·D], in boxes [block_rows, block_cols]."""
+def _columns_descriptor(x: torch.Tensor, block_rows: int, block_cols: int, copy_rows: int | None = None):
+    """A TMA descriptor of bf16 rows [R, H, D] seen as [R, H·D], in boxes [block_rows, block_cols] (copy_rows: boxes of
+    that many rows, in the shared layout of a block_rows ring slot they fill a part of)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     two_d = x.view(x.shape[0], x.shape[1] * x.shape[2])
-    return TensorDescriptor(two_d, list(two_d.shape), list(two_d.stride()), [block_rows, block_cols],
+    return TensorDescriptor(two_d, list(two_d.shape), list(two_d.stride()), [copy_rows or block_rows, block_cols],
                             _v_layout(block_rows, block_cols))
 
 
 def gluon_decode(q, k, v, table, *, causal: bool, scale: float, block_table=None, page_size: int = 1):
-    """flash.flash_forward's contract for the rows `covers` takes: (out [R,Hq,D], lse [R,Hq] fp32 log2)."""
-    if block_table is not None:
-        raise ValueError("block_table: the Gluon decode reads contiguous rows (covers() sends pages to flash.py)")
+    """flash.flash_forward's contract for the rows `covers` takes: (out [R,Hq,D], lse [R,Hq] fp32 log2); with
+    block_table, flash_forward's paged form (k/v a page pool's rows, k_row0 the table's row)."""
     return _launch(q, k, v, table.info, table.num_sequences, table.max_q_count, table.max_kv_len, causal, scale,
-                   False)
+                   False, block_table=block_table, page_size=page_size)
 
 
 def gluon_decode_cache(q, k, v, lengths, sq: int, smax: int, *, scale: float, block_table=None, page_size: int = 1):
-    """kv_cache_attention's step on rows q [B·Sq,Hq,D], caches [B·Smax,Hkv,D], lengths [B] on the GPU (clamped to
-    [0, Smax] as its table is), with no table launch: (out, lse)."""
-    if block_table is not None:
-        raise ValueError("block_table: the Gluon decode reads contiguous rows (covers() sends pages to flash.py)")
-    return _launch(q, k, v, lengths, lengths.shape[0], sq, smax, True, scale, True)
+    """kv_cache_attention's step on rows q [B·Sq,Hq,D], caches [B·Smax,Hkv,D] (or a page pool's rows with
+    block_table [B, Smax / page_size]), lengths [B] on the GPU (clamped to [0, Smax] as its table is), with no table
+    launch: (out, lse)."""
+    return _launch(q, k, v, lengths, lengths.shape[0], sq, smax, True, scale, True, block_table=block_table,
+                   page_size=page_size)
 
 
-def _launch(q, k, v, seq_info, num_sequences, max_q_count, max_kv_len, causal, scale, from_lengths):
+def _launch(q, k, v, seq_info, num_sequences, max_q_count, max_kv_len, causal, scale, from_lengths, block_table=None,
+            page_size: int = 1):
     rows, hq, d = q.shape
     hkv = k.shape[1]
     config = attention_config(q.dtype, d)
@@ -429,11 +460,17 @@ def _launch(q, k, v, seq_info, num_sequences, max_q_count, max_kv_len, causal, s
     block_n = config.forward.block_n
     parts = head_dim_parts(d, num_splits * hkv * num_sequences)
     qn = query_columns(hq // hkv, max_q_count)
+    paged = block_table is not None
+    if paged and not pages_fit(page_size, block_n):
+        raise ValueError(f"k_cache: page_block_size {page_size}: expected a multiple of 8 that divides {block_n} "
+                         f"or that it divides")
+    copy_rows = min(page_size, block_n) if paged else block_n
     gluon_decode_kernel[(num_splits, hkv * parts, num_sequences)](
-        gluon_forward.row_descriptor(k, block_n), _columns_descriptor(v, block_n, d // parts), q, out, lse, pm, pl,
-        pacc, seq_info, q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), *p_strides,
-        *a_strides, scale * LOG2_E, hq // hkv, max_q_count, max_kv_len,
-        block_n, d, parts, qn, L_ROWS, STAGES, config.kv_split, partial, causal, from_lengths, num_warps=4)
+        _columns_descriptor(k, block_n, d, copy_rows), _columns_descriptor(v, block_n, d // parts, copy_rows), q, out,
+        lse, pm, pl, pacc, seq_info, block_table, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        lse.stride(0), *p_strides, *a_strides, block_table.stride(0) if paged else 0, scale * LOG2_E, hq // hkv,
+        max_q_count, max_kv_len, block_n, d, parts, qn, L_ROWS, STAGES, config.kv_split, partial, causal,
+        from_lengths, page_size if paged else 1, copy_rows if paged else 1, paged, num_warps=4)
     if partial:
         flash._split_combine_kernel[(triton.cdiv(rows * hq, COMBINE_BLOCK_R),)](
             pm, pl, pacc, out, lse, num_splits, rows, hq, d, *p_strides, *a_strides, out.stride(0), out.stride(1),
@@ -442,20 +479,26 @@ def _launch(q, k, v, seq_info, num_sequences, max_q_count, max_kv_len, causal, s
 
 
 def compile_for_sm90(head_dim: int = 128, partial: bool = False, parts: int = 1, from_lengths: bool = False,
-                     qn: int = QN):
+                     qn: int = QN, page_size: int | None = None):
     """The kernel compiled for sm_90a with no GPU present (Gluon has no interpreter), bound to stand-in tensors of a
-    32/8-head problem (gluon_forward.compile_sm90a)."""
+    32/8-head problem (gluon_forward.compile_sm90a); page_size: reading a paged cache through a block table."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import MockTensor
 
     block_n = attention_config(torch.bfloat16, head_dim).forward.block_n
+    copy_rows = min(page_size, block_n) if page_size else block_n
     f32 = MockTensor("float32", [8192, 32])
-    v_desc = TensorDescriptor(MockTensor("bfloat16", [8192, 8 * head_dim]), [8192, 8 * head_dim],
-                              [8 * head_dim, 1], [block_n, head_dim // parts], _v_layout(block_n, head_dim // parts))
-    args = (gluon_forward.mock_row_descriptor(block_n, 8, head_dim), v_desc,
+
+    def desc(cols):
+        return TensorDescriptor(MockTensor("bfloat16", [8192, 8 * head_dim]), [8192, 8 * head_dim], [8 * head_dim, 1],
+                                [copy_rows, cols], _v_layout(block_n, cols))
+
+    table = MockTensor("int32", [64, 256]) if page_size else None
+    args = (desc(head_dim), desc(head_dim // parts),
             MockTensor("bfloat16", [8192, 32, head_dim]), MockTensor("bfloat16", [8192, 32, head_dim]), f32, f32, f32,
-            MockTensor("float32", [4, 8192, 32, head_dim]), MockTensor("int32", [4, 6]),
+            MockTensor("float32", [4, 8192, 32, head_dim]), MockTensor("int32", [4, 6]), table,
             32 * head_dim, head_dim, 32 * head_dim, head_dim, 32, 8192 * 32, 32, 1, 8192 * 32 * head_dim,
-            32 * head_dim, head_dim, 0.1, 4, 1, 8192,
-            block_n, head_dim, parts, qn, L_ROWS, STAGES, 2048, partial, True, from_lengths)
+            32 * head_dim, head_dim, 256 if page_size else 0, 0.1, 4, 1, 8192,
+            block_n, head_dim, parts, qn, L_ROWS, STAGES, 2048, partial, True, from_lengths,
+            page_size or 1, copy_rows if page_size else 1, bool(page_size))
     return compile_sm90a(gluon_decode_kernel, args)
