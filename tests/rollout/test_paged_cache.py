@@ -6,7 +6,7 @@ import torch
 
 from rl_engine.kernels.ops.pytorch.attention.kv_cache_attention import paged_cache_view
 from rl_engine.models.decoder import KvCache
-from rl_engine.rollout.paged_cache import NULL_PAGE, PagedKvCache
+from rl_engine.rollout.paged_cache import NULL_PAGE, PagedKvCache, padded_block_table
 
 
 def test_pages_through_the_block_table_equal_the_contiguous_cache(micro_config):
@@ -48,3 +48,28 @@ def test_pages_are_reserved_and_given_back(micro_config):
     assert paged.free_pages == 1
     paged.release(1)
     assert paged.free_pages == 4 and 1 not in paged.tables
+
+
+def test_a_forwards_layers_share_the_slots_and_binding_resets_them(micro_config):
+    # Every layer of a forward writes the same positions tensor: its pool slots are computed once. A new batch bound
+    # with the same tensor (a CUDA graph's static buffer) must get its own pages, not the previous batch's slots.
+    paged = PagedKvCache(micro_config, num_pages=8, page_size=2, dtype=torch.float32, device="cpu")
+    paged.reserve(1, 4)
+    paged.reserve(2, 4)
+    pos = torch.tensor([[2, 3]])
+    x = torch.ones(1, 2, micro_config.num_kv_heads, micro_config.head_dim)
+    paged.bind([1])
+    paged.write(0, pos, x, x)
+    paged.write(0, pos, 2 * x, 2 * x)  # a second layer's write (the micro config has one layer: the same pool)
+    paged.bind([2])
+    paged.write(0, pos, 3 * x, 3 * x)
+    page_1, page_2 = paged.tables[1][1], paged.tables[2][1]
+    assert torch.equal(paged.k[0][page_1], 2 * x[0]) and torch.equal(paged.k[0][page_2], 3 * x[0])
+    # A static block table refilled in place between forwards (decode graphs): use_block_table resets the slots.
+    static = padded_block_table([paged.tables[1]], 2)
+    paged.use_block_table(static)
+    paged.write(0, pos, 4 * x, 4 * x)
+    static.copy_(padded_block_table([paged.tables[2]], 2))
+    paged.use_block_table(static)
+    paged.write(0, pos, 5 * x, 5 * x)
+    assert torch.equal(paged.k[0][page_1], 4 * x[0]) and torch.equal(paged.k[0][page_2], 5 * x[0])

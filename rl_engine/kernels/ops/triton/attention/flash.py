@@ -7,7 +7,8 @@ table of sequences, one int32 row per sequence (`SequenceTable`):
     q_row0   memory row of the sequence's first query (q viewed as rows [R, Hq, D])
     q_count  number of queries
     q_pos0   position of the first query, counted from the sequence's first key
-    k_row0   memory row of the sequence's first key (k/v viewed as rows [Rk, Hkv, D])
+    k_row0   memory row of the sequence's first key (k/v viewed as rows [Rk, Hkv, D]); for a paged cache
+             (flash_forward's block_table), the sequence's row of the block table
     kv_len   number of keys; key position j < kv_len is visible to a query at position p iff j <= p
     window   ... and p − window < j (NO_WINDOW for every real sequence; 1 for left-padding queries,
              which see only their own key, as the gold reference defines them)

@@ -22,7 +22,8 @@ round): 1.05-1.06x at batch 1 x 1k-8k, the same bits (h200_probe_decode_column_m
 Every loop waits for the products it issues: with products in flight across a loop's back edge (or out of a branch)
 ptxas serialised every wgmma (C7514/C7515; docs/evidence/h200_probe_decode_gluon.log). A program may take a part of
 the head dim (D_PARTS: accᵀ's rows are independent), so a batch-1 step has 16-64 programs instead of 8-32. A KV-cache
-step reads its lengths in the kernel (`gluon_decode_cache`), which saves kv_cache_attention's table launch.
+step reads its lengths in the kernel (`gluon_decode_cache`), which saves kv_cache_attention's table launch. A paged
+cache (`PAGED`) comes into a ring slot as one TMA copy per page of the block (`_load`), the walk unchanged.
 
 Every element is flash.py's: the same key blocks from the sequence's first key, the same KV splits folded by flash.py's
 combine kernel (or, in one split, into a fresh state as flash.py's program does), the scale in an explicit fma, exp2,
