@@ -117,7 +117,7 @@ def _goal(text: str, met: bool) -> str:
 
 
 def _row(label, ours, peer, ratio, goal, anchor) -> str:
-    return f"| {label} | {ours} | {peer} | {ratio} | {goal} | [{anchor}](docs/results.md#{anchor.replace('_', '-')}) |"
+    return f"| {label} | {ours} | {peer} | {ratio} | {goal} | [{anchor}](docs/results.md#{anchor}) |"
 
 
 def summary(results: Path = RESULTS) -> str:
@@ -253,7 +253,7 @@ def readme_with_summary(readme: str, results: Path = RESULTS) -> str:
 def render(results: Path = RESULTS) -> str:
     out = [HEADER]
     files = sorted(results.glob("*.json"))
-    out.append("Benchmarks: " + ", ".join(f"[{p.stem}](#{p.stem.replace('_', '-')})" for p in files) + ".\n")
+    out.append("Benchmarks: " + ", ".join(f"[{p.stem}](#{p.stem})" for p in files) + ".\n")
     for path in files:
         data = json.loads(path.read_text())
         out += [f"## {path.stem}", "", f"`benchmarks/results/{path.name}`"
