@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 
 import torch
+
+
+def use_triton_interpreter_without_cuda() -> None:
+    """Without a CUDA device Triton kernels run only under Triton's CPU interpreter, which Triton picks when a kernel
+    is decorated: the kernel packages call this before their modules load. A value the user exported wins."""
+    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 
 def _version(module: str) -> str:

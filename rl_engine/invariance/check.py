@@ -5,7 +5,6 @@ configuration error."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
@@ -174,9 +173,6 @@ def run(args) -> int:
     if json_path is not None:
         check_writable(json_path, "--json")
     device = _device(args.device)
-    if device.type == "cpu":
-        # Triton kernels run under the interpreter on a CPU; it must be set before they import.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     config, pinned = _config(args)
     stem = f"invariance_{args.profile}_{re.sub(r'[^A-Za-z0-9._-]', '_', config.name.split('[')[0])}"
     plot_dir = args.out or (json_path.parent if json_path else None)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 
 import torch
 
@@ -148,10 +147,6 @@ def run(args) -> int:
         raise UsageError(f"--arch-key: the contract has no rows for {args.arch_key!r}; known keys: "
                          f"{', '.join(arch_keys) or 'none'} (leave the flag out for the default rows)")
     device = resolve_device(args.device)
-    if device == "cpu" and not torch.cuda.is_available():
-        # Triton candidates run on a CPU only under the interpreter, which Triton reads when a kernel
-        # module is imported: set it before make_candidate imports one.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     candidate = make_candidate(args.op, args.candidate, dims=dims, arch_key=args.arch_key)
     case = make_operator_case(args.op, dtype=args.dtype, device=device, dims=dims, input_mode=args.input_mode,
                               constant_value=args.constant_value, token_value=args.token_value, seed=args.seed,
