@@ -1,6 +1,7 @@
 """What an adopter sees of the package: its version, its public API, its typing marker, its license."""
 
 import ast
+import importlib.util
 import re
 import subprocess
 import sys
@@ -52,3 +53,13 @@ def test_metadata():
     assert re.search(r'^version = \{attr = "rl_engine.__version__"\}$', pyproject, re.M)
     assert "Apache License" in (ROOT / "LICENSE").read_text()
     assert (ROOT / "rl_engine" / "py.typed").is_file()
+
+
+def test_api_page_is_up_to_date():
+    """docs/api.md is generated from the public API's signatures and docstrings (python scripts/api_page.py)."""
+    spec = importlib.util.spec_from_file_location("api_page", ROOT / "scripts" / "api_page.py")
+    api_page = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(api_page)
+    assert api_page.PAGE.read_text() == api_page.render(), "docs/api.md is out of date: run python scripts/api_page.py"
+    planted = api_page.entry("patch", lambda model: None)  # a changed signature changes the page
+    assert "(model)" in planted[3]
