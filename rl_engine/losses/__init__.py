@@ -38,6 +38,13 @@ def linear_policy_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targe
     across micro-batches to make per-token gradients independent of the split.
     metrics: pg_clipfrac, pg_clipfrac_lower (ppo), ppo_kl, k3_kl, kl_loss (with a reference),
     entropy (when computed): means over active tokens.
+
+    Bad values, both backends, any token (masked or not): a target id outside [0, V) is an error (on a
+    CPU a ValueError naming target_ids; on a GPU the PyTorch backend's gather asserts on the device, and
+    the Triton backend, which reads nothing back to the host, makes that token's logp NaN, so the loss,
+    its gradients and the metrics are NaN). A NaN or ±inf old or reference logprob (or logp) makes the
+    loss and its gradients NaN, never a clamped finite number. kl_coef, entropy_coef and temperature
+    must be finite (ValueError), a number `normalizer` finite and > 0.
     """
     cfg = PolicyLossConfig(policy_loss=policy_loss, clip_ratio_low=clip_ratio_low,
                            clip_ratio_high=clip_ratio_low if clip_ratio_high is None else clip_ratio_high,

@@ -169,3 +169,62 @@ def test_a_second_backward_through_the_loss_fails_loudly():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+# --- non-finite inputs: NaN or an error, never a finite loss (#56) ---------------------------------------------
+
+SMALL = dict(b=1, t=5)
+
+
+@pytest.mark.parametrize("backend", ["triton", "pytorch"])
+@pytest.mark.parametrize("bad_id", [V, -1, 10**6])
+def test_an_id_outside_the_vocabulary_is_an_error_on_the_cpu(backend, bad_id):
+    inputs = make_inputs(**SMALL)
+    inputs["target_ids"][0, 2] = bad_id
+    with pytest.raises((ValueError, IndexError, RuntimeError), match=r"target_ids|index|out of bounds"):
+        linear_policy_loss(**inputs, backend=backend)
+
+
+@pytest.mark.parametrize("bad_id", [V, -1])
+def test_without_the_host_check_an_id_outside_the_vocabulary_makes_the_loss_nan(bad_id):
+    """The GPU path (no host read): the op itself turns the token's logp into NaN, for every tile layout."""
+    inputs = make_inputs(**SMALL)
+    inputs["target_ids"][0, 3] = bad_id
+    i = inputs
+    out = fused_module.linear_policy_loss_op(
+        i["hidden"], i["lm_head_weight"], i["target_ids"], i["advantages"], i["old_logprobs"], None, i["mask"],
+        i["mask"], "ppo", 0.2, 0.2, 3.0, 0.0, 0.0, 1.0, False, True, False)
+    loss, logp, grad_hidden = out[0], out[1], out[6]
+    assert torch.isnan(loss) and torch.isnan(logp[0, 3]) and torch.isfinite(logp[0, :3]).all()
+    assert torch.isnan(grad_hidden[0, 3]).all()
+
+
+@pytest.mark.parametrize("backend", ["triton", "pytorch"])
+@pytest.mark.parametrize("which,value", [("old_logprobs", float("-inf")), ("old_logprobs", float("inf")),
+                                         ("old_logprobs", float("nan")), ("ref_logprobs", float("-inf")),
+                                         ("ref_logprobs", float("nan"))])
+def test_a_non_finite_old_or_reference_logprob_makes_the_loss_and_gradients_nan(backend, which, value):
+    inputs = make_inputs(**SMALL)
+    inputs[which][0, 1] = value
+    loss, metrics, dh, _ = run(backend, inputs, kl_coef=0.1)
+    assert torch.isnan(loss) and torch.isnan(dh).any()
+    if which == "old_logprobs":
+        assert torch.isnan(metrics["ppo_kl"])
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(kl_coef=float("nan")), "kl_coef: expected a finite number >= 0, got nan"),
+    (dict(kl_coef=float("inf")), "kl_coef"),
+    (dict(entropy_coef=float("nan")), "entropy_coef"),
+    (dict(temperature=float("inf")), "temperature: expected a positive finite number"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(normalizer=0), "normalizer: expected a positive finite number, got 0"),
+    (dict(normalizer=-2.0), "normalizer"),
+    (dict(normalizer=float("nan")), "normalizer"),
+    (dict(normalizer=float("inf")), "normalizer"),
+])
+def test_non_finite_or_non_positive_settings_are_refused(kw, message):
+    inputs = make_inputs(**SMALL)
+    for backend in ("triton", "pytorch"):
+        with pytest.raises(ValueError, match=message):
+            linear_policy_loss(**inputs, backend=backend, **kw)

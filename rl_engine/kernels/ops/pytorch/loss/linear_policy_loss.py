@@ -34,6 +34,7 @@ Where verl differs: verl's masked mean divides by count + 1e-8 (the same fp32 nu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -71,10 +72,11 @@ class PolicyLossConfig:
                              f"got {self.clip_ratio_low}, {self.clip_ratio_high}")
         if not self.clip_ratio_c > 1:
             raise ValueError(f"clip_ratio_c: the dual-clip bound must exceed 1, got {self.clip_ratio_c}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature: expected a positive number, got {self.temperature}")
-        if self.kl_coef < 0 or self.entropy_coef < 0:
-            raise ValueError(f"kl_coef, entropy_coef: expected >= 0, got {self.kl_coef}, {self.entropy_coef}")
+        if not 0 < self.temperature < math.inf:
+            raise ValueError(f"temperature: expected a positive finite number, got {self.temperature}")
+        for name in ("kl_coef", "entropy_coef"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name}: expected a finite number >= 0, got {getattr(self, name)}")
 
     @property
     def agg_mode(self) -> str:
@@ -104,7 +106,9 @@ def token_terms(logp, entropy, old, ref, adv, mask, cfg: PolicyLossConfig) -> di
     """verl's per-token terms on [B,T] (or [N] for ppo): pg, kl, clip indicators, the ratios' log."""
     mask = mask.to(logp.dtype)
     lo, hi = 1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high
-    delta = torch.clamp(logp - old, -RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
+    # a NaN or ±inf old (or reference) logprob makes the token's terms NaN: the clamps would hide it
+    finite = torch.isfinite(old) & torch.isfinite(logp) & (True if ref is None else torch.isfinite(ref))
+    delta = torch.where(torch.isfinite(old), torch.clamp(logp - old, -RATIO_LOG_CLAMP, RATIO_LOG_CLAMP), torch.nan)
     if cfg.policy_loss == "ppo":
         ratio = torch.exp(delta)
         l1, l2 = -adv * ratio, -adv * torch.clamp(ratio, lo, hi)
@@ -127,12 +131,16 @@ def token_terms(logp, entropy, old, ref, adv, mask, cfg: PolicyLossConfig) -> di
         terms["loss"] = terms["loss"] + cfg.kl_coef * terms["kl"]
     if cfg.entropy_coef:
         terms["loss"] = terms["loss"] - cfg.entropy_coef * entropy
+    # + logp · (0 or NaN): the loss unchanged where finite (logp · 0 is -0), NaN with NaN gradients where not
+    terms["loss"] = terms["loss"] + logp * torch.where(finite, 0.0, torch.nan).to(logp.dtype)
     return terms
 
 
 def aggregation_weights(mask: torch.Tensor, cfg: PolicyLossConfig, normalizer=None) -> torch.Tensor:
     """w_t with loss = sum_t w_t l_t: the aggregation mode as one weight per token (mask included)."""
     mask = mask.to(torch.float64 if mask.dtype == torch.float64 else torch.float32)
+    if isinstance(normalizer, (int, float)) and not 0 < normalizer < math.inf:
+        raise ValueError(f"normalizer: expected a positive finite number, got {normalizer}")
     mode = cfg.agg_mode
     if mode == "token-mean":
         n = mask.sum().clamp(min=1) if normalizer is None else normalizer

@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rl_engine.kernels.ops.pytorch.base import expect_ids_in_range
 from rl_engine.kernels.ops.pytorch.loss.linear_policy_loss import (
     GSPO_LOG_RATIO_MAX,
     HARNESS_CONFIG,
@@ -124,7 +125,10 @@ def _stats_partials_kernel(
         target = tl.load(target_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
         in_tile = (target >= tile_v * BLOCK_V) & (target < tile_v * BLOCK_V + BLOCK_V) & (target < V)
         picked = tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
-        tl.store(target_logit_ptr + rows, picked, mask=row_ok & in_tile)
+        # an id outside [0, V) has no logit: NaN (stored by the first vocabulary tile), never a stale value
+        out_of_range = (target < 0) | (target >= V)
+        picked = tl.where(out_of_range, float("nan"), picked)
+        tl.store(target_logit_ptr + rows, picked, mask=row_ok & (in_tile | (out_of_range & (tile_v == 0))))
 
 
 @triton.jit
@@ -214,10 +218,17 @@ def _token_terms_kernel(
         kl_live = kl_live & (kl_raw <= _KL_CLAMP) & (kl_raw >= -_KL_CLAMP)
         loss = loss + kl_coef * kl
         dlogp = dlogp + kl_coef * tl.where(kl_live, 1.0 - ek, 0.0)
+        ref_ok = tl.abs(ref) < float("inf")
+        loss = tl.where(ref_ok, loss, float("nan"))
+        dlogp = tl.where(ref_ok, dlogp, float("nan"))
         tl.store(kl_ptr + offs, kl, mask=ok)
     if ENTROPY_BONUS:
         entropy = tl.load(lse_ptr + offs, mask=ok, other=0.0) - tl.load(mean_z_ptr + offs, mask=ok, other=0.0)
         loss = loss - entropy_coef * entropy
+    # a non-finite logp, old or reference logprob makes the token's terms NaN: the clamps would hide it
+    finite = (tl.abs(old) < float("inf")) & (tl.abs(logp) < float("inf"))
+    loss = tl.where(finite, loss, float("nan"))
+    dlogp = tl.where(finite, dlogp, float("nan"))
     tl.store(loss_ptr + offs, w * loss, mask=ok)
     tl.store(dlogp_ptr + offs, w * dlogp, mask=ok)
     tl.store(dent_ptr + offs, -(w * entropy_coef), mask=ok)
@@ -482,14 +493,18 @@ def linear_policy_loss(hidden, lm_head_weight, target_ids, advantages, old_logpr
     """(loss, metrics): the fused policy loss; see the gold for formulas and the module doc for invariance.
 
     hidden [N,H] or [B,T,H]; per-token tensors [N] or [B,T] (advantages may be [B] per sequence);
-    `normalizer` overrides the aggregation's divisor (active tokens, or sequences). Ids are not
-    range-checked (that would synchronize).
+    `normalizer` overrides the aggregation's divisor (active tokens, or sequences).
+    Non-finite inputs (as the gold): an id outside [0, V) is a ValueError on the CPU; on a GPU (no host read)
+    it makes the token's logp NaN, so the loss, its gradients and the metrics are NaN. A NaN or ±inf old or
+    reference logprob makes the loss and gradients NaN.
     """
     cfg = cfg or PolicyLossConfig()
     advantages = expand_advantages(advantages, hidden)
     if mask is None:
         mask = torch.ones(hidden.shape[:-1], device=hidden.device)
     validate_policy_inputs(hidden, lm_head_weight, target_ids, advantages, old_logprobs, mask, ref_logprobs, cfg)
+    if target_ids.device.type == "cpu" and not torch.compiler.is_compiling():  # nothing to keep asynchronous
+        expect_ids_in_range("target_ids", target_ids, lm_head_weight.shape[0], "vocabulary size V")
     token_weight = aggregation_weights(mask, cfg, normalizer)
     grad_on = torch.is_grad_enabled()
     need_hidden, need_weight = grad_on and hidden.requires_grad, grad_on and lm_head_weight.requires_grad
@@ -505,7 +520,8 @@ def linear_policy_loss(hidden, lm_head_weight, target_ids, advantages, old_logpr
     def mean(x):
         return (x * m).sum() / active
 
-    delta = torch.clamp(logp - old_logprobs.float(), -20.0, 20.0)
+    old = old_logprobs.float()
+    delta = torch.where(torch.isfinite(old), torch.clamp(logp - old, -20.0, 20.0), float("nan"))
     metrics = {"pg_clipfrac": mean(clipped), "ppo_kl": mean(-delta), "k3_kl": mean(delta.exp() - 1 - delta)}
     if cfg.policy_loss == "ppo":
         metrics["pg_clipfrac_lower"] = mean(lower)
