@@ -105,3 +105,20 @@ def test_gpu_probe_summary_on_recorded_kernels(rollout):
     assert rollout._sdpa_backend(["pytorch_flash::flash_fwd_kernel"]) == "flash"
     assert rollout._sdpa_backend(["cudnn_generated_fort_native_sdpa_sm90"]) == "cudnn"
     assert rollout._sdpa_backend([]) == "unknown"
+
+
+def test_the_byte_floor_counts_weights_once_embedding_rows_and_the_batch_kv(rollout):
+    import torch
+
+    from rl_engine.models.weights import synthetic_weights
+
+    config = rollout.SETUPS["cpu"]["model"]()
+    weights = synthetic_weights(config, 0)
+    embed = next(n for n in weights if "embed" in n)
+    body = sum(t.numel() * 2 for n, t in weights.items() if n != embed)
+    kv_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
+    assert weights[embed].dtype == torch.bfloat16
+    assert rollout.step_bytes(config, weights, 1, 6, 4) == body + config.hidden_size * 2 + 8 * kv_token
+    # a second row adds its embedding row and its KV, not the weights again
+    assert rollout.step_bytes(config, weights, 3, 6, 4) - rollout.step_bytes(config, weights, 1, 6, 4) == (
+        2 * config.hidden_size * 2 + 2 * 8 * kv_token)
