@@ -43,7 +43,8 @@ Where this departs from verl, on purpose (verl's helpers are called once per bat
 - Sequences with no active token are left out of E_seq and the sequence max/min (verl's masked mean of
   an empty row is 0, which counts a phantom perplexity of 1 and a chi2 of 0).
 - The mask is a set: any non-zero entry is an active token, with weight 1 (verl multiplies by the
-  mask; the two agree for 0/1 masks).
+  mask; the two agree for 0/1 masks). A NaN entry is neither: it makes every metric NaN (and its
+  token's truncated IS weight NaN), never a counted token.
 """
 
 from __future__ import annotations
@@ -105,6 +106,10 @@ def _nan_unless(active: torch.Tensor, *values: torch.Tensor) -> torch.Tensor:
     return torch.where(active.any(), poison, math.nan)
 
 
+def _isnan(mask: torch.Tensor) -> torch.Tensor:
+    return torch.isnan(mask) if mask.is_floating_point() else torch.zeros_like(mask, dtype=torch.bool)
+
+
 def _flatten(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
 
@@ -122,9 +127,11 @@ def truncated_is_weights(
     verl ``compute_rollout_correction_weights`` without batch normalisation. Shape of the inputs.
     """
     _check(train_logprobs, rollout_logprobs, mask, is_level, is_threshold)
-    active = _flatten(mask) != 0
+    flat_mask = _flatten(mask)
+    active = (flat_mask != 0) & ~_isnan(flat_mask)
     w = _is_weights(log_ratio(_flatten(train_logprobs.detach()), _flatten(rollout_logprobs.detach())), active, is_level)
-    return torch.where(active, w.clamp(max=is_threshold), 0).reshape(train_logprobs.shape)
+    w = torch.where(active, w.clamp(max=is_threshold), 0)
+    return torch.where(_isnan(flat_mask), math.nan, w).reshape(train_logprobs.shape)
 
 
 def _is_weights(delta: torch.Tensor, active: torch.Tensor, is_level: str) -> torch.Tensor:
@@ -167,9 +174,11 @@ def rollout_corr_metrics(
         raise ValueError(f"clip range [{clip_low}, {clip_high}]: expected clip_low < clip_high")
     train = _flatten(train_logprobs.detach()).float().double()
     rollout = _flatten(rollout_logprobs.detach()).float().double()
-    active = _flatten(mask) != 0
+    flat_mask = _flatten(mask)
+    active = (flat_mask != 0) & ~_isnan(flat_mask)
     delta = log_ratio(train, rollout)
-    guard = _nan_unless(active, train, rollout)
+    # a NaN mask entry is no token, active or not: every metric NaN
+    guard = _nan_unless(active, train, rollout) + torch.where(_isnan(flat_mask).any(), math.nan, 0.0)
 
     seq_active = active.any(dim=-1)
     seq_mean_train = masked_mean(train, active, dim=-1)

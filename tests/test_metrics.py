@@ -118,6 +118,18 @@ def test_non_finite_active_token_poisons_and_masked_one_does_not(bad, which):
                 assert torch.equal(v, base[k]), k
 
 
+@pytest.mark.parametrize("where", ["active", "masked"])
+def test_a_nan_in_the_mask_is_never_counted_active(where):
+    train, rollout, mask = _inputs()
+    pos = tuple((mask if where == "active" else ~mask).nonzero()[0].tolist())
+    nan_mask = mask.double()
+    nan_mask[pos] = math.nan
+    got = rollout_corr_metrics(train, rollout, nan_mask)
+    assert all(torch.isnan(v) for v in got.values())
+    w = truncated_is_weights(train, rollout, nan_mask)
+    assert torch.isnan(w[pos]) and torch.isnan(w).sum() == 1
+
+
 def test_bit_equal_logprobs_give_exact_zeros():
     train, _, mask = _inputs()
     got = rollout_corr_metrics(train, train.clone(), mask)
