@@ -92,26 +92,28 @@ def _narrow(lo, hi, candidates, ok):
 
 @_device_function
 def _count_at_least(row_ptr, V, t, zmax, min_p, k_floor, thresholds, BLOCK: tl.constexpr):
-    """[SPLIT] int32: survivors with key >= each threshold (lane sums, folded once at the end)."""
+    """[SPLIT] int32: survivors with key >= each threshold (lane sums, folded once at the end). The
+    thresholds run along dim 0 so that the row's elements stay along the contiguous dim (one thread holds
+    all SPLIT counts of its elements: no element is loaded or tempered twice)."""
     offs = tl.arange(0, BLOCK)
-    n = tl.zeros([BLOCK, SPLIT], tl.int32)
+    n = tl.zeros([SPLIT, BLOCK], tl.int32)
     for start in range(0, V, BLOCK):
         cols, z, key = _tempered(row_ptr, start, offs, V, t)
         alive = _alive(z, key, zmax, min_p, k_floor)
-        n += (alive[:, None] & (key[:, None] >= thresholds[None, :])).to(tl.int32)
-    return tl.sum(n, axis=0)
+        n += (alive[None, :] & (key[None, :] >= thresholds[:, None])).to(tl.int32)
+    return tl.sum(n, axis=1)
 
 
 @_device_function
 def _mass_at_least(row_ptr, V, t, zmax, min_p, k_floor, thresholds, BLOCK: tl.constexpr):
     """[SPLIT] fp32: mass exp(z - max z) of the survivors with key >= each threshold, in a fixed order."""
     offs = tl.arange(0, BLOCK)
-    mass = tl.zeros([BLOCK, SPLIT], tl.float32)
+    mass = tl.zeros([SPLIT, BLOCK], tl.float32)
     for start in range(0, V, BLOCK):
         cols, z, key = _tempered(row_ptr, start, offs, V, t)
         e = tl.where(_alive(z, key, zmax, min_p, k_floor), tl.exp(z - zmax), 0.0)
-        mass += tl.where(key[:, None] >= thresholds[None, :], e[:, None], 0.0)
-    return tl.sum(mass, axis=0)
+        mass += tl.where(key[None, :] >= thresholds[:, None], e[None, :], 0.0)
+    return tl.sum(mass, axis=1)
 
 
 @triton.jit
