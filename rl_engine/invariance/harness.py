@@ -19,6 +19,7 @@ Any exception inside a step fails that step with its message; nothing is skipped
 
 from __future__ import annotations
 
+import math
 import time
 import traceback
 from collections.abc import Callable
@@ -102,16 +103,34 @@ def run_cell(model: DecoderModel, workload: Workload, cell: Cell, device) -> dic
     return {sid: v[:-1] for sid, v in restored.items()}
 
 
+def _max(values) -> float:
+    """The largest value, NaN if any is NaN (Python's max() keeps or drops a NaN depending on its position)."""
+    values = list(values)
+    return math.nan if any(math.isnan(v) for v in values) else max(values, default=0.0)
+
+
+def _non_finite(result: dict, candidate: dict, canonical: dict, per_token) -> dict:
+    """A cell whose values are not all finite fails, whatever its bits: NaN == NaN bitwise is no result."""
+    bad = {who: sum(int(per_token(~torch.isfinite(v)).sum()) for v in values.values())
+           for who, values in (("candidate", candidate), ("canonical", canonical))}
+    if any(bad.values()):
+        result.update(bitwise=False, non_finite_tokens=bad,
+                      error=f"non-finite values (NaN/inf): {bad['candidate']} tokens in this cell, "
+                            f"{bad['canonical']} in the canonical cell")
+    return result
+
+
 def compare(candidate: dict, canonical: dict) -> dict:
-    """Bitwise comparison per token of two restored logprob sets."""
+    """Bitwise comparison per token of two restored logprob sets; non-finite values fail the cell."""
     mismatched = total = 0
-    max_abs = 0.0
+    diffs = []
     for sid, ref in canonical.items():
         got = candidate[sid]
         mismatched += bit_mismatch(got, ref)[0]
         total += ref.numel()
-        max_abs = max(max_abs, float((got.double() - ref.double()).abs().max()))
-    return {"bitwise": mismatched == 0, "mismatched_tokens": mismatched, "tokens": total, "max_abs_diff": max_abs}
+        diffs.append(float((got.double() - ref.double()).abs().max()) if ref.numel() else 0.0)
+    result = {"bitwise": mismatched == 0, "mismatched_tokens": mismatched, "tokens": total, "max_abs_diff": _max(diffs)}
+    return _non_finite(result, {s: candidate[s] for s in canonical}, canonical, lambda t: t)
 
 
 # -- gradients ------------------------------------------------------------------------------------
@@ -148,14 +167,15 @@ def input_gradients(model: DecoderModel, workload: Workload, cell: Cell, device)
 
 def compare_gradients(candidate: dict, canonical: dict) -> dict:
     mismatched = total = 0
-    max_abs = 0.0
+    diffs = []
     for sid, ref in canonical.items():
         got = candidate[sid]
         neq = (got.float() != ref.float()).any(dim=-1)  # a token mismatches if any of its H entries does
         mismatched += int(neq.sum())
         total += ref.shape[0]
-        max_abs = max(max_abs, float((got.double() - ref.double()).abs().max()))
-    return {"bitwise": mismatched == 0, "mismatched_tokens": mismatched, "tokens": total, "max_abs_diff": max_abs}
+        diffs.append(float((got.double() - ref.double()).abs().max()) if ref.numel() else 0.0)
+    result = {"bitwise": mismatched == 0, "mismatched_tokens": mismatched, "tokens": total, "max_abs_diff": _max(diffs)}
+    return _non_finite(result, {s: candidate[s] for s in canonical}, canonical, lambda t: t.any(dim=-1))
 
 
 def weight_gradients(model: DecoderModel, workload: Workload, device) -> dict[str, torch.Tensor]:
@@ -356,8 +376,8 @@ def run_harness(
         report["accuracy"] = {"passed": False, "error": errors.get("accuracy", "canonical cell failed")}
     else:
         ref, base = results["refs"]["reference_fp32"], results["refs"]["torch_bf16"]
-        cand_err = max(float((canonical[s] - ref[s]).abs().max()) for s in ref)
-        base_err = max(float((base[s] - ref[s]).abs().max()) for s in ref)
+        cand_err = _max(float((canonical[s] - ref[s]).abs().max()) for s in ref)
+        base_err = _max(float((base[s] - ref[s]).abs().max()) for s in ref)
         tol = model_accuracy_tolerance(get_profile(profile_name).dtype)
         ref_scale = max(float(ref[s].abs().max()) for s in ref)
         report["accuracy"] = {
