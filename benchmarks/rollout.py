@@ -21,7 +21,7 @@ models built once and kept: ~4 GB of weights for the engine's two profiles, ~4 G
 Per cell: prefill (prompt in -> first token out), decode steps (the other new_tokens - 1), tokens/s
 during decode (B / mean step), end-to-end tokens/s, peak memory, and, for the engine, where a decode
 step's wall time goes (EngineStats: GPU time between CUDA events around each phase, the engine never
-waiting to time one: forward incl. page tables and the page gather, sample incl. lm_head and the
+waiting to time one: forward incl. page tables (attention reads the pages in place), sample incl. lm_head and the
 per-row sampler, logprobs; other = the rest of the step's wall time, in which the GPU waits for the
 host's scheduling and bookkeeping). The engine computes fp32 logprobs of every token (two vocab-wide products per step);
 transformers' greedy `generate` returns none. cell_s: the whole cell's wall time, warm-up included.
