@@ -17,6 +17,7 @@ cache (static, sliding, quantized) is refused.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -64,12 +65,61 @@ def check(model: nn.Module, profile: str) -> ModelConfig:
         raise UsageError(f"patch: {exc}") from None
     if len(model.model.layers) != config.num_layers:
         raise UsageError(f"patch: {name} has {len(model.model.layers)} layers, its config says {config.num_layers}")
+    foreign = _foreign_modules(model, config)
+    if foreign:
+        shown = "; ".join(foreign[:3]) + (f"; and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise UsageError(f"patch: would replace forwards it did not write: {shown} (an adapter such as LoRA, or a "
+                         f"subclass: merge or remove it first)")
     # The profile computes in its dtype; converting here would copy every weight, so the caller does it once.
     wrong = {str(p.dtype) for p in model.parameters() if p.is_floating_point() and p.dtype != prof.dtype}
     if prof.dtype != torch.float32 and wrong:
         raise UsageError(f"patch: profile {profile} computes in {prof.dtype}, the model holds {sorted(wrong)} "
                          f"parameters (call model.to({prof.dtype}) first)")
     return config
+
+
+def _replaced_modules(model: nn.Module, config: ModelConfig):
+    """(path, module, the transformers class it must be) for every module patch replaces or takes weights from."""
+    modeling = importlib.import_module(type(model).__module__)
+    prefix = type(model).__name__.removesuffix("ForCausalLM")
+
+    def cls(suffix):
+        return getattr(modeling, prefix + suffix)
+
+    family = get_family(config.family)
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}"
+        yield f"{p}.input_layernorm", layer.input_layernorm, cls("RMSNorm")
+        yield f"{p}.post_attention_layernorm", layer.post_attention_layernorm, cls("RMSNorm")
+        yield f"{p}.mlp", layer.mlp, cls("MLP")
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            yield f"{p}.mlp.{proj}", getattr(layer.mlp, proj, None), nn.Linear
+        yield f"{p}.self_attn", layer.self_attn, cls("Attention")
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            yield f"{p}.self_attn.{proj}", getattr(layer.self_attn, proj, None), nn.Linear
+        if family.qk_norm:
+            for n in ("q_norm", "k_norm"):
+                yield f"{p}.self_attn.{n}", getattr(layer.self_attn, n, None), cls("RMSNorm")
+    yield "model.norm", model.model.norm, cls("RMSNorm")
+    yield "model.rotary_emb", model.model.rotary_emb, cls("RotaryEmbedding")
+    yield "lm_head", model.lm_head, nn.Linear
+
+
+def _foreign_modules(model: nn.Module, config: ModelConfig) -> list[str]:
+    """The replaced modules whose forward is not the transformers class's own: another class (a subclass, a LoRA
+    layer), a forward set on the instance, forward hooks, or submodules the class does not have."""
+    found = []
+    for path, module, expected in _replaced_modules(model, config):
+        if type(module) is not expected:
+            found.append(f"{path} is a {type(module).__module__}.{type(module).__qualname__}, "
+                         f"not {expected.__module__}.{expected.__qualname__}")
+        elif "forward" in vars(module):
+            found.append(f"{path} has its own forward on the instance")
+        elif module._forward_hooks or module._forward_pre_hooks:
+            found.append(f"{path} has forward hooks")
+        elif expected is nn.Linear and any(True for _ in module.children()):
+            found.append(f"{path} (nn.Linear) has submodules {', '.join(n for n, _ in module.named_children())}")
+    return found
 
 
 def _share(ours: nn.Module, theirs: nn.Module, names) -> nn.Module:

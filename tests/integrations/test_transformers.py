@@ -116,6 +116,62 @@ def test_refusals_are_one_line(case):
     assert {"gelu": "hidden_act", "dtype": "model.to", "twice": "already patched"}[case] in str(exc.value)
 
 
+class LoraLinear(torch.nn.Linear):
+    """A LoRA layer as adapters write it: nn.Linear plus a low-rank update in its own forward."""
+
+    def __init__(self, base):
+        super().__init__(base.in_features, base.out_features, bias=base.bias is not None)
+        self.weight, self.bias = base.weight, base.bias
+        self.lora_a = torch.nn.Linear(base.in_features, 2, bias=False, dtype=base.weight.dtype)
+        self.lora_b = torch.nn.Linear(2, base.out_features, bias=False, dtype=base.weight.dtype)
+
+    def forward(self, x):
+        return super().forward(x) + self.lora_b(self.lora_a(x))
+
+
+class Adapter(torch.nn.Module):
+    def __init__(self, base):
+        super().__init__()
+        self.base = base
+
+    def forward(self, x):
+        return self.base(x) * 2
+
+
+def _plant(model, case):
+    layer = model.model.layers[1]
+    if case == "lora subclass":
+        layer.self_attn.q_proj = LoraLinear(layer.self_attn.q_proj)
+        return f"model.layers.1.self_attn.q_proj is a {__name__}.LoraLinear, not torch.nn.modules.linear.Linear"
+    if case == "adapter module":
+        layer.mlp.down_proj = Adapter(layer.mlp.down_proj)
+        return f"model.layers.1.mlp.down_proj is a {__name__}.Adapter"
+    if case == "subclassed mlp":
+        layer.mlp.__class__ = type("MyMLP", (type(layer.mlp),), {"forward": lambda self, x: x, "__module__": __name__})
+        return f"model.layers.1.mlp is a {__name__}.MyMLP, not transformers.models.qwen3.modeling_qwen3.Qwen3MLP"
+    if case == "instance forward":
+        model.model.norm.forward = lambda x: x
+        return "model.norm has its own forward on the instance"
+    if case == "forward hook":
+        model.lm_head.register_forward_hook(lambda *a: None)
+        return "lm_head has forward hooks"
+    layer.self_attn.o_proj.extra = torch.nn.Identity()
+    return "model.layers.1.self_attn.o_proj (nn.Linear) has submodules extra"
+
+
+@pytest.mark.parametrize("case", ["lora subclass", "adapter module", "subclassed mlp", "instance forward",
+                                  "forward hook", "extra submodule"])
+def test_modules_whose_forward_patch_did_not_write_are_refused_by_name(case):
+    model = hf_model("qwen3", "torch_bf16", layers=2)
+    message = _plant(model, case)
+    with pytest.raises(UsageError) as exc:
+        patch(model, "torch_bf16")
+    text = str(exc.value)
+    assert "\n" not in text and text.startswith("patch: would replace forwards it did not write: ")
+    assert message in text, text
+    assert getattr(model, "_rl_engine_patch", None) is None  # nothing swapped
+
+
 def test_triton_profile_equals_decoder():
     model = hf_model("qwen3", "triton_bf16", layers=1)
     ids = tokens(1, 4)
