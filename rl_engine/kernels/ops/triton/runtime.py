@@ -44,6 +44,26 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def check_devices(op: str, **inputs) -> None:
+    """One-line ValueError unless every tensor input is where a Triton kernel can read it: on one CUDA device,
+    or on the CPU under the interpreter (TRITON_INTERPRET=1). A meta tensor has no data to compute on."""
+    import torch
+
+    first = None
+    for name, value in inputs.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        device = value.device
+        if device.type not in ("cuda", "cpu") or (device.type == "cpu" and not interpreting()):
+            where = ("Triton kernels need CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before Triton "
+                     "is imported")
+            raise ValueError(f"{op}: {name} is on {device}; {where}")
+        if first is None:
+            first = (name, device)
+        elif device != first[1]:
+            raise ValueError(f"{op}: {name} is on {device}, {first[0]} on {first[1]}; all inputs must be on one device")
+
+
 def _major_minor(version: str) -> tuple[int, int]:
     match = re.match(r"(\d+)\.(\d+)", version)
     if match is None:

@@ -135,3 +135,40 @@ def test_the_interpreters_fp32_dot_gives_a_row_the_same_bits_at_any_position(mon
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", planted)
     assert _rows_that_change_with_position() > 0
+
+
+# --- devices: a Triton op refuses tensors it cannot read, in one line, before any kernel runs (#56) ------------
+
+def _triton_op_and_inputs(op):
+    from rl_engine.kernels.gtest.operator_inputs import OperatorDims
+    from rl_engine.kernels.gtest.operator_specs import make_candidate, make_operator_case
+
+    dims = OperatorDims(batch=1, seq=2, vocab=17, normalized_dim=8, intermediate=8, n_heads=2, n_kv_heads=1,
+                        head_dim=4, k_dim=8, n_dim=8, experts=2)
+    case = make_operator_case(op, dtype="fp32", device="cpu", dims=dims)
+    return make_candidate(op, "triton", dims=dims).fn, case.inputs
+
+
+def _ops():
+    from rl_engine.kernels.records import OPS
+
+    return sorted(OPS)
+
+
+@pytest.mark.parametrize("op", _ops())
+def test_every_triton_op_refuses_meta_tensors_in_one_line(op):
+    fn, inputs = _triton_op_and_inputs(op)
+    moved = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    with pytest.raises(ValueError) as exc:
+        fn(**moved)
+    assert "is on meta; Triton kernels need CUDA tensors" in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=r"op: x is on cpu; .*TRITON_INTERPRET=1"):
+        runtime.check_devices("op", x=torch.ones(2), y=None)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    runtime.check_devices("op", x=torch.ones(2), y=None, n=3)
+    with pytest.raises(ValueError, match=r"op: y is on meta"):
+        runtime.check_devices("op", x=torch.ones(2), y=torch.ones(2, device="meta"))

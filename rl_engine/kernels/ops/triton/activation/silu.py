@@ -13,7 +13,7 @@ import triton.language as tl
 
 from rl_engine.kernels.ops.pytorch.activation.silu import NativeSiluOp
 from rl_engine.kernels.ops.pytorch.base import expect_float
-from rl_engine.kernels.ops.triton.runtime import cast_rne, needs_autograd, register_autograd
+from rl_engine.kernels.ops.triton.runtime import cast_rne, check_devices, needs_autograd, register_autograd
 
 # Elements per program and warps: fixed, so a tensor's bits never depend on its size.
 BLOCK = 4096
@@ -105,5 +105,6 @@ class TritonSiluOp:
     input_names = NativeSiluOp.input_names
 
     def __call__(self, *, x: torch.Tensor) -> torch.Tensor:
+        check_devices("TritonSiluOp", x=x)
         NativeSiluOp().validate(x=x)
         return silu(x)

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from rl_engine.kernels.ops.pytorch.activation.swiglu import NativeSwigluOp
 from rl_engine.kernels.ops.pytorch.base import expect_float
-from rl_engine.kernels.ops.triton.runtime import cast_rne, needs_autograd, register_autograd
+from rl_engine.kernels.ops.triton.runtime import cast_rne, check_devices, needs_autograd, register_autograd
 
 # Elements per program and warps: fixed, so a tensor's bits never depend on its size.
 BLOCK = 4096
@@ -116,5 +116,6 @@ class TritonSwigluOp:
     input_names = NativeSwigluOp.input_names
 
     def __call__(self, *, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        check_devices("TritonSwigluOp", gate=gate, up=up)
         NativeSwigluOp().validate(gate=gate, up=up)
         return swiglu(gate, up)

@@ -24,6 +24,7 @@ from rl_engine.kernels.ops.triton.attention.flash import (
     flash_attention,
     sequence_table,
 )
+from rl_engine.kernels.ops.triton.runtime import check_devices
 
 
 def _integer_vector(name: str, t, length: int, meaning: str) -> torch.Tensor:
@@ -124,5 +125,6 @@ class TritonAttentionOp:
         self.scale = scale
 
     def __call__(self, q, k, v, seq_starts=None, cu_seqlens=None):
+        check_devices("TritonAttentionOp", q=q, k=k, v=v, seq_starts=seq_starts, cu_seqlens=cu_seqlens)
         return triton_attention(q, k, v, causal=self.causal, scale=self.scale, seq_starts=seq_starts,
                                 cu_seqlens=cu_seqlens)

@@ -37,7 +37,7 @@ from rl_engine.kernels.ops.triton.attention.flash import (
     flash_attention_op,
     flash_forward,
 )
-from rl_engine.kernels.ops.triton.runtime import interpreting
+from rl_engine.kernels.ops.triton.runtime import check_devices, interpreting
 
 TABLE_BLOCK = 128  # cache rows per program
 
@@ -137,4 +137,6 @@ class TritonKvCacheAttentionOp:
         self.scale = scale
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, block_table=None):
+        check_devices("TritonKvCacheAttentionOp", q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
+                      block_table=block_table)
         return triton_kv_cache_attention(q, k_cache, v_cache, cache_seqlens, scale=self.scale, block_table=block_table)

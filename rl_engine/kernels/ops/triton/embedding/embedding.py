@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from rl_engine.kernels.ops.pytorch.embedding.embedding import NativeEmbeddingOp
-from rl_engine.kernels.ops.triton.runtime import cast_rne, needs_autograd, register_autograd
+from rl_engine.kernels.ops.triton.runtime import cast_rne, check_devices, needs_autograd, register_autograd
 
 
 @triton.jit
@@ -210,5 +210,6 @@ class TritonEmbeddingOp:
     input_names = NativeEmbeddingOp.input_names
 
     def __call__(self, *, token_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        check_devices("TritonEmbeddingOp", token_ids=token_ids, weight=weight)
         NativeEmbeddingOp().validate(token_ids=token_ids, weight=weight)
         return embedding(token_ids, weight)

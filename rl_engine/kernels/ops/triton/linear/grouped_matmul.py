@@ -33,6 +33,7 @@ from rl_engine.kernels.ops.pytorch.linear.grouped_matmul import NativeGroupedMat
 from rl_engine.kernels.ops.triton.linear.matmul import matmul_config
 from rl_engine.kernels.ops.triton.runtime import (
     cast_rne,
+    check_devices,
     dot_fp32,
     dot_precision,
     ensure_cuda_context,
@@ -298,6 +299,7 @@ class TritonGroupedMatmulOp:
     input_names = NativeGroupedMatmulOp.input_names
 
     def __call__(self, *, x, weight, expert_ids=None, counts=None):
+        check_devices("TritonGroupedMatmulOp", x=x, weight=weight, expert_ids=expert_ids, counts=counts)
         if counts is None:  # the checks of the ids' values read them back: only on this path
             NativeGroupedMatmulOp().validate(x=x, weight=weight, expert_ids=expert_ids)
         else:

@@ -13,7 +13,7 @@ import torch
 
 from rl_engine.kernels.ops.pytorch.linear.lm_head import NativeLmHeadOp
 from rl_engine.kernels.ops.triton.linear.matmul import batch_invariant_mm
-from rl_engine.kernels.ops.triton.runtime import needs_autograd, register_autograd
+from rl_engine.kernels.ops.triton.runtime import check_devices, needs_autograd, register_autograd
 
 
 @torch.library.custom_op("rl_engine::lm_head", mutates_args=())
@@ -59,5 +59,6 @@ class TritonLmHeadOp:
     input_names = NativeLmHeadOp.input_names
 
     def __call__(self, *, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        check_devices("TritonLmHeadOp", hidden=hidden, weight=weight)
         NativeLmHeadOp().validate(hidden=hidden, weight=weight)
         return triton_lm_head(hidden, weight)

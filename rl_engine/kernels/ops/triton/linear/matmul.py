@@ -53,6 +53,7 @@ from triton._utils import validate_block_shape
 
 from rl_engine.kernels.ops.pytorch.linear.matmul import NativeMatmulOp
 from rl_engine.kernels.ops.triton.runtime import (
+    check_devices,
     dot_fp32,
     dot_precision,
     ensure_cuda_context,
@@ -543,5 +544,6 @@ class TritonMatmulOp:
     input_names = NativeMatmulOp.input_names
 
     def __call__(self, *, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        check_devices("TritonMatmulOp", a=a, b=b)
         NativeMatmulOp().validate(a=a, b=b)
         return triton_matmul(a, b)

@@ -39,6 +39,7 @@ from rl_engine.kernels.ops.triton.linear.matmul import MatmulConfig, batch_invar
 from rl_engine.kernels.ops.triton.loss.logp import LOG2E, exp2_ftz, fold_lse, max_nan
 from rl_engine.kernels.ops.triton.runtime import (
     cast_rne,
+    check_devices,
     dot_fp32,
     ensure_cuda_context,
     host_descriptor,
@@ -543,4 +544,6 @@ class TritonLinearLogpOp:
     input_names = NativeLinearLogpOp.input_names
 
     def __call__(self, *, hidden, lm_head_weight, target_ids, bias=None) -> torch.Tensor:
+        check_devices("TritonLinearLogpOp", hidden=hidden, lm_head_weight=lm_head_weight, target_ids=target_ids,
+                      bias=bias)
         return linear_logp(hidden, lm_head_weight, target_ids, bias)

@@ -75,7 +75,7 @@ from rl_engine.kernels.ops.triton.loss.linear_logp import (
 )
 from rl_engine.kernels.ops.triton.loss.linear_logp import config as _linear_logp_config
 from rl_engine.kernels.ops.triton.loss.logp import LOG2E, exp2_ftz
-from rl_engine.kernels.ops.triton.runtime import cast_rne, interpreting, register_autograd
+from rl_engine.kernels.ops.triton.runtime import cast_rne, check_devices, interpreting, register_autograd
 
 # Tokens per chunk: a constant, never a function of N. The interpreter's is small so CPU tests at
 # N ~ 40 cross chunk borders; the vocabulary chunk and tiles come from linear_logp's fixed table.
@@ -498,6 +498,8 @@ def linear_policy_loss(hidden, lm_head_weight, target_ids, advantages, old_logpr
     it makes the token's logp NaN, so the loss, its gradients and the metrics are NaN. A NaN or ±inf old or
     reference logprob makes the loss and gradients NaN.
     """
+    check_devices("linear_policy_loss", hidden=hidden, lm_head_weight=lm_head_weight, target_ids=target_ids,
+                  advantages=advantages, old_logprobs=old_logprobs, mask=mask, ref_logprobs=ref_logprobs)
     cfg = cfg or PolicyLossConfig()
     advantages = expand_advantages(advantages, hidden)
     if mask is None:
@@ -572,6 +574,8 @@ class TritonLinearPolicyLossOp:
         self.cfg = cfg
 
     def __call__(self, *, hidden, lm_head_weight, target_ids, advantages, old_logprobs, ref_logprobs, mask):
+        check_devices("TritonLinearPolicyLossOp", hidden=hidden, lm_head_weight=lm_head_weight, target_ids=target_ids,
+                      advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask)
         NativeLinearPolicyLossOp(self.cfg).validate(
             hidden=hidden, lm_head_weight=lm_head_weight, target_ids=target_ids, advantages=advantages,
             old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask,

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from rl_engine.kernels.ops.pytorch.base import expect_rank, expect_shape
 from rl_engine.kernels.ops.pytorch.loss.logp import NativeLogpOp
-from rl_engine.kernels.ops.triton.runtime import cast_rne, interpreting, register_autograd
+from rl_engine.kernels.ops.triton.runtime import cast_rne, check_devices, interpreting, register_autograd
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = 2^(x log2e)
 
@@ -302,4 +302,5 @@ class TritonLogpOp:
     input_names = NativeLogpOp.input_names
 
     def __call__(self, *, logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+        check_devices("TritonLogpOp", logits=logits, target_ids=target_ids)
         return logp(logits, target_ids)

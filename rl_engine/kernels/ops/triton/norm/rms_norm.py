@@ -30,7 +30,7 @@ import triton.language as tl
 
 from rl_engine.kernels.ops.pytorch.base import expect_float
 from rl_engine.kernels.ops.pytorch.norm.rms_norm import NativeRmsNormOp
-from rl_engine.kernels.ops.triton.runtime import cast_rne, needs_autograd, register_autograd
+from rl_engine.kernels.ops.triton.runtime import cast_rne, check_devices, needs_autograd, register_autograd
 
 # Rows per backward program; a constant so that dweight's order never depends on the launch grid.
 ROWS_PER_PROGRAM = 32
@@ -190,5 +190,6 @@ class TritonRmsNormOp:
         self.eps = eps
 
     def __call__(self, *, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        check_devices("TritonRmsNormOp", x=x, weight=weight)
         NativeRmsNormOp(self.eps).validate(x=x, weight=weight)
         return rms_norm(x, weight, self.eps)

@@ -39,7 +39,13 @@ from triton.language.extra import libdevice
 
 from rl_engine.kernels.ops.pytorch.base import expect_float
 from rl_engine.kernels.ops.pytorch.position.rope import NativeRopeOp
-from rl_engine.kernels.ops.triton.runtime import cast_rne, interpreting, needs_autograd, register_autograd
+from rl_engine.kernels.ops.triton.runtime import (
+    cast_rne,
+    check_devices,
+    interpreting,
+    needs_autograd,
+    register_autograd,
+)
 
 
 @triton.jit
@@ -180,5 +186,6 @@ class TritonRopeOp:
         self.inv_freq = inv_freq
 
     def __call__(self, *, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        check_devices("TritonRopeOp", x=x, positions=positions)
         NativeRopeOp(self.theta, self.inv_freq).validate(x=x, positions=positions)
         return rope(x, positions, self.theta, self.inv_freq)
