@@ -290,6 +290,21 @@ def load_hf_config(path) -> ModelConfig:
     return config_from_hf(read_hf_config(config_file), stem or "config", source=str(config_file))
 
 
+# config.json's torch_dtype (or dtype) -> the safetensors dtype its tensors must have
+_SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def _config_dtype(hf: dict, source: str) -> tuple[str, ...]:
+    """The safetensors dtypes a checkpoint's tensors may have: the config's, or any of bf16/fp16/fp32."""
+    declared = hf.get("torch_dtype", hf.get("dtype"))
+    if declared is None:
+        return tuple(_SAFETENSORS_DTYPES.values())
+    declared = str(declared).removeprefix("torch.")
+    if declared not in _SAFETENSORS_DTYPES:
+        raise CheckpointError(f"{source}: torch_dtype {declared!r} is not one of {sorted(_SAFETENSORS_DTYPES)}")
+    return (_SAFETENSORS_DTYPES[declared],)
+
+
 def _read(f, name: str, shape, part, part_as: str | None = None) -> torch.Tensor:
     """A tensor of an open safetensors file, whole or the part `part` picks (by `part_as`'s name)."""
     whole = f.get_slice(name)
@@ -306,6 +321,8 @@ def load_hf_checkpoint(path, config: ModelConfig, *, device="cpu", dtype=None, p
     A tensor the model does not use is refused rather than dropped (a bias would change the math),
     except the layers beyond a truncated config's depth. A tied model's file may still hold lm_head:
     transformers then ignores it, and so do we, but only when it equals the embedding bit for bit.
+    Every tensor has the dtype of config.json's torch_dtype (bf16, fp16 or fp32 when it has none) and
+    lives in one shard: a tensor in two files is refused (which copy wins would be the listing's order).
     The per-expert tensors are returned stacked, one [E, ...] tensor per layer and role (weight_shapes).
     part(name, shape) -> index or None: read only that part of a tensor (a tensor-parallel rank's slice;
     safetensors reads the slice alone), shapes checked on the whole tensor first.
@@ -321,7 +338,8 @@ def load_hf_checkpoint(path, config: ModelConfig, *, device="cpu", dtype=None, p
     names = get_family(config.family).hf_names
     wanted = checkpoint_shapes(config)
     known = checkpoint_shapes(replace(config, num_layers=hf["num_hidden_layers"], tie_word_embeddings=False))
-    weights, tied_head = {}, None
+    weights, tied_head, seen = {}, None, {}
+    dtypes = _config_dtype(hf, str(config_file))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"weights_path: {path} has no *.safetensors files")
@@ -332,6 +350,14 @@ def load_hf_checkpoint(path, config: ModelConfig, *, device="cpu", dtype=None, p
                     if name not in known:
                         raise CheckpointError(f"{file}: tensor {name} is not part of a {config.family} model "
                                               "rl_engine computes (refused rather than dropped)")
+                    if name in seen:  # which copy would win is the order of a directory listing
+                        raise CheckpointError(f"{file}: tensor {name} is also in {seen[name]}; a tensor belongs "
+                                              "to one shard")
+                    seen[name] = file.name
+                    found = f.get_slice(name).get_dtype()
+                    if found not in dtypes:
+                        raise CheckpointError(f"{file}: tensor {name} has dtype {found}, the config's torch_dtype "
+                                              f"allows {'/'.join(dtypes)}")
                     if name in wanted:
                         t = _read(f, name, wanted[name], part)
                         weights[name] = t if dtype is None else t.to(dtype)

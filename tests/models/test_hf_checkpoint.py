@@ -214,3 +214,35 @@ def test_a_broken_file_is_one_line_naming_it(tmp_path, capsys, name):
     code, out, err = _check_invariance_exit(capsys, tmp_path)
     assert code == 2 and not out and len(err.splitlines()) == 1 and "Traceback" not in err
     assert str(tmp_path / expected) in err
+
+
+# -- dtypes and shards (#56) --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,found", [(torch.int32, "I32"), (torch.float8_e4m3fn, "F8_E4M3"),
+                                         (torch.float32, "F32")])
+def test_a_tensor_of_another_dtype_than_the_configs_is_refused(tmp_path, dtype, found):
+    weights = synthetic_weights(TINY, 0)
+    name = "model.layers.0.mlp.up_proj.weight"
+    weights[name] = weights[name].to(dtype)
+    _checkpoint(tmp_path, json.dumps({**QWEN3_8B_CONFIG, **TINY_DIMS, "torch_dtype": "bfloat16"}), weights)
+    message = rf"tensor {name} has dtype {found}, the config's torch_dtype allows BF16"
+    with pytest.raises(CheckpointError, match=message):
+        load_hf_checkpoint(tmp_path, TINY)
+
+
+def test_without_a_config_dtype_a_non_float_tensor_is_still_refused(tmp_path):
+    weights = synthetic_weights(TINY, 0)
+    weights["model.norm.weight"] = weights["model.norm.weight"].to(torch.int32)
+    config = {k: v for k, v in {**QWEN3_8B_CONFIG, **TINY_DIMS}.items() if k not in ("torch_dtype", "dtype")}
+    _checkpoint(tmp_path, json.dumps(config), weights)
+    with pytest.raises(CheckpointError, match=r"model.norm.weight has dtype I32, .* allows BF16/F16/F32"):
+        load_hf_checkpoint(tmp_path, TINY)
+
+
+def test_a_tensor_in_two_shards_is_refused(tmp_path):
+    weights = synthetic_weights(TINY, 0)
+    _checkpoint(tmp_path, weights=weights)
+    name = "model.norm.weight"
+    save_file({name: weights[name] * 2}, str(tmp_path / "zz-extra.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"zz-extra.safetensors: tensor {name} is also in model.safetensors"):
+        load_hf_checkpoint(tmp_path, TINY)
