@@ -192,3 +192,62 @@ class SelectedLogprobHead(_OpModule):
     def forward(self, hidden: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
         return self.ops("linear_logp", self.node, hidden=hidden, lm_head_weight=self._cast(self.weight),
                         target_ids=target_ids)
+
+
+class FusedLinearPolicyLoss(nn.Module):
+    """The fused lm_head + RL policy loss as a module, shaped like Liger's `LigerFusedLinearGRPOLoss`:
+    forward(hidden, lm_head weight, ids, advantages, old logprobs, mask, ref logprobs) -> (loss, metrics),
+    the [tokens, V] logits never materialised (`backend="triton"`; "pytorch" is the gold, with logits).
+
+    It holds no parameters: the lm_head weight is passed per call, as Liger's `lin_weight`, so one module
+    serves a tied or an untied head. The options are `rl_engine.losses.linear_policy_loss`'s (verl's
+    names; Liger's `epsilon_low`/`epsilon_high`/`beta` are `clip_ratio_low`/`clip_ratio_high`/`kl_coef`),
+    checked here, at construction: an unknown `policy_loss` or `loss_agg_mode` is a ValueError naming it.
+    """
+
+    def __init__(self, policy_loss: str = "ppo", *, clip_ratio_low: float = 0.2, clip_ratio_high: float | None = None,
+                 clip_ratio_c: float = 3.0, loss_agg_mode: str | None = None, kl_coef: float = 0.0,
+                 entropy_coef: float = 0.0, temperature: float = 1.0, compute_entropy: bool = False,
+                 backend: str = "triton"):
+        """policy_loss: "ppo" (token ratio, clip, dual clip `clip_ratio_c` for negative advantages) or "gspo"
+        (sequence ratio). loss_agg_mode: "token-mean", "seq-mean-token-mean" or "seq-mean-token-sum" (None:
+        the policy loss's default). kl_coef: k3 KL to the reference logprobs. entropy_coef: entropy bonus
+        (compute_entropy: the metric alone). temperature: the sampling temperature. backend: "triton" or
+        "pytorch"."""
+        super().__init__()
+        from rl_engine.losses import BACKENDS, PolicyLossConfig
+
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        self.config = PolicyLossConfig(
+            policy_loss=policy_loss, clip_ratio_low=clip_ratio_low,
+            clip_ratio_high=clip_ratio_low if clip_ratio_high is None else clip_ratio_high, clip_ratio_c=clip_ratio_c,
+            loss_agg_mode=loss_agg_mode, kl_coef=kl_coef, entropy_coef=entropy_coef, temperature=temperature,
+            compute_entropy=compute_entropy)
+        self.backend = backend
+
+    def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, target_ids: torch.Tensor,
+                advantages: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor | None = None,
+                ref_logprobs: torch.Tensor | None = None, *, normalizer: float | torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss, metrics) on hidden [N,H] or [B,T,H] @ lm_head_weight [V,H]^T.
+
+        target_ids, old_logprobs, mask, ref_logprobs: [N] or [B,T]; advantages: the same, or [B] per
+        sequence. normalizer: the aggregation's divisor (default: this batch's active tokens, or sequences).
+        metrics: pg_clipfrac, pg_clipfrac_lower (ppo), ppo_kl, k3_kl, kl_loss (with ref_logprobs), entropy
+        (when computed), each a mean over active tokens.
+        """
+        from rl_engine.losses import linear_policy_loss
+
+        c = self.config
+        return linear_policy_loss(
+            hidden, lm_head_weight, target_ids, advantages, old_logprobs, mask, ref_logprobs,
+            policy_loss=c.policy_loss, clip_ratio_low=c.clip_ratio_low, clip_ratio_high=c.clip_ratio_high,
+            clip_ratio_c=c.clip_ratio_c, loss_agg_mode=c.loss_agg_mode, kl_coef=c.kl_coef, entropy_coef=c.entropy_coef,
+            temperature=c.temperature, compute_entropy=c.compute_entropy, normalizer=normalizer, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"policy_loss={c.policy_loss!r}, loss_agg_mode={c.agg_mode!r}, clip_ratio=({c.clip_ratio_low}, "
+                f"{c.clip_ratio_high}), kl_coef={c.kl_coef}, entropy_coef={c.entropy_coef}, "
+                f"temperature={c.temperature}, backend={self.backend!r}")
