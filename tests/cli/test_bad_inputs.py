@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from rl_engine import cli
+from rl_engine.errors import UsageError
 
 REFERENCE = "rl_engine.mhc.provider:ReferenceProvider"
 
@@ -326,3 +327,144 @@ def test_bad_input_is_one_line_and_exit_2_before_any_work(capsys, files, tmp_pat
 
 def test_the_fuzz_table_covers_every_subcommand():
     assert {command for command, *_ in ROWS.values()} >= set(cli.SUBCOMMANDS)
+
+
+# --- the public API: (call, the exception type, what its one line must contain) -------------------------------
+
+def _policy(**kw):
+    import torch
+
+    from rl_engine.losses import linear_policy_loss
+
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(hidden=torch.randn(1, 3, 8, generator=g), lm_head_weight=torch.randn(11, 8, generator=g),
+                  target_ids=torch.tensor([[1, 2, 3]]), advantages=torch.randn(1, 3, generator=g),
+                  old_logprobs=-torch.rand(1, 3, generator=g))
+    return linear_policy_loss(**{**inputs, **kw})
+
+
+def _metrics(**kw):
+    import torch
+
+    from rl_engine.metrics import rollout_corr_metrics
+
+    inputs = dict(train_logprobs=-torch.rand(2, 3), rollout_logprobs=-torch.rand(2, 3), mask=torch.ones(2, 3))
+    return rollout_corr_metrics(**{**inputs, **kw})
+
+
+def _is_weights(**kw):
+    import torch
+
+    from rl_engine.metrics import truncated_is_weights
+
+    return truncated_is_weights(-torch.rand(2, 3), -torch.rand(2, 3), torch.ones(2, 3), **kw)
+
+
+def _call(path, *args, **kwargs):
+    from rl_engine.loading import load_object
+
+    return load_object(path, "api")(*args, **kwargs)
+
+
+def _meta_triton(op):
+    import torch
+
+    from rl_engine.kernels.ops.triton.runtime import check_devices
+
+    return check_devices(op, x=torch.ones(2, device="meta"))
+
+
+def _patch_a_linear():
+    import torch
+
+    from rl_engine.integrations.transformers import patch
+
+    return patch(torch.nn.Linear(2, 2))
+
+
+def _dims(**kw):
+    from rl_engine.kernels.gtest.operator_inputs import OperatorDims
+
+    return OperatorDims(**kw).validate()
+
+
+def _suite(**kw):
+    from rl_engine.kernels.gtest.op_checks import run_operator_suite
+
+    return run_operator_suite("logp", candidates=[], cases=[], **kw)
+
+
+API = {
+    "policy loss: kl_coef nan": (lambda p: _policy(kl_coef=float("nan")), ValueError, "kl_coef"),
+    "policy loss: kl_coef inf": (lambda p: _policy(kl_coef=float("inf")), ValueError, "kl_coef"),
+    "policy loss: entropy_coef negative": (lambda p: _policy(entropy_coef=-1.0), ValueError, "entropy_coef"),
+    "policy loss: temperature zero": (lambda p: _policy(temperature=0.0), ValueError, "temperature"),
+    "policy loss: temperature inf": (lambda p: _policy(temperature=float("inf")), ValueError, "temperature"),
+    "policy loss: normalizer zero": (lambda p: _policy(normalizer=0), ValueError, "normalizer"),
+    "policy loss: normalizer negative": (lambda p: _policy(normalizer=-3.0), ValueError, "normalizer"),
+    "policy loss: normalizer nan": (lambda p: _policy(normalizer=float("nan")), ValueError, "normalizer"),
+    "policy loss: unknown backend": (lambda p: _policy(backend="cuda"), ValueError, "backend"),
+    "policy loss: unknown policy": (lambda p: _policy(policy_loss="trpo"), ValueError, "policy_loss"),
+    "policy loss: unknown aggregation": (lambda p: _policy(loss_agg_mode="sum"), ValueError, "loss_agg_mode"),
+    "policy loss: clip_ratio_low 1.5": (lambda p: _policy(clip_ratio_low=1.5), ValueError, "clip ratios"),
+    "policy loss: dual clip 1": (lambda p: _policy(clip_ratio_c=1.0), ValueError, "clip_ratio_c"),
+    "policy loss: kl without a reference": (lambda p: _policy(kl_coef=0.1), ValueError, "ref_logprobs"),
+    "policy loss: id past the vocabulary": (lambda p: _policy(target_ids=__import__("torch").tensor([[1, 2, 11]])),
+                                            ValueError, "target_ids"),
+    "policy loss: negative id (pytorch)": (lambda p: _policy(target_ids=__import__("torch").tensor([[1, -1, 3]]),
+                                                             backend="pytorch"), (ValueError, IndexError,
+                                                                                  RuntimeError), "index"),
+    "policy loss: float ids": (lambda p: _policy(target_ids=__import__("torch").zeros(1, 3)), ValueError,
+                               "target_ids"),
+    "policy loss: meta hidden": (lambda p: _policy(hidden=__import__("torch").ones(1, 3, 8, device="meta")),
+                                 ValueError, "hidden is on meta"),
+    "metrics: shapes differ": (lambda p: _metrics(mask=__import__("torch").ones(2, 4)), ValueError, "mask"),
+    "metrics: unknown is_level": (lambda p: _metrics(is_level="batch"), ValueError, "is_level"),
+    "metrics: empty clip range": (lambda p: _metrics(clip_low=1.2, clip_high=0.8), ValueError, "clip range"),
+    "metrics: IS threshold below 1": (lambda p: _is_weights(is_threshold=0.5), ValueError, "is_threshold"),
+    "outputs: a FIFO": (lambda p: _call("rl_engine.outputs:check_writable", p["PIPE_FILE"], "--out"),
+                        UsageError, "exists and is a FIFO"),
+    "outputs: /dev/null": (lambda p: _call("rl_engine.outputs:check_writable", os.devnull, "--out"),
+                           UsageError, "character device"),
+    "outputs: one path twice": (lambda p: _call("rl_engine.outputs:check_run_paths",
+                                                [("--a", p["DIR"] / "r.json"), ("--b", p["DIR"] / "r.json")]),
+                                UsageError, "the same path as --a"),
+    "outputs: onto an input": (lambda p: _call("rl_engine.outputs:check_run_paths", [("--a", p["CONTRACT"])],
+                                               [("--contract", p["CONTRACT"])]), UsageError, "an input of this run"),
+    "loader: missing config": (lambda p: _call("rl_engine.models.weights:load_hf_config", p["DIR"]),
+                               ValueError, "has no config.json"),
+    "loader: config is a list": (lambda p: _call("rl_engine.models.weights:load_hf_config", p["LIST"]),
+                                 ValueError, "expected a JSON object"),
+    "loader: no object path": (lambda p: _call("rl_engine.loading:load_object", "nocolon", "thing"),
+                               UsageError, "module:attr"),
+    "mhc: zero hidden": (lambda p: _call("rl_engine.mhc.contract:LayerContract", hidden=0), ValueError, "hidden"),
+    "mhc: no profile": (lambda p: _call("rl_engine.mhc.contract:judgment_for", None), ValueError,
+                        "no numeric_profile"),
+    "mhc: provider spec without a class": (lambda p: _call("rl_engine.mhc.provider:check_spec", "a.b"), UsageError,
+                                           "module:Class"),
+    "mhc: unknown case": (lambda p: _call("rl_engine.mhc.fixtures:select_cases", ["huge"]), UsageError,
+                          "unknown case(s) huge"),
+    "mhc: missing golden": (lambda p: _call("rl_engine.mhc.fixtures:load_golden", p["DIR"] / "none.json"),
+                            UsageError, "not found"),
+    "gtest: unknown op": (lambda p: _call("rl_engine.kernels.gtest.operator_specs:get_spec", "conv"), UsageError,
+                          "unknown op 'conv'"),
+    "gtest: unknown candidate": (lambda p: _call("rl_engine.kernels.gtest.operator_specs:make_candidate", "logp",
+                                                 "cuda"), UsageError, "unknown candidate"),
+    "gtest: theta inf": (lambda p: _dims(theta=float("inf")), ValueError, "theta"),
+    "gtest: unknown grad mode": (lambda p: _suite(grad_mode="zeros"), ValueError, "grad_mode"),
+    "triton: meta tensor": (lambda p: _meta_triton("rms_norm"), ValueError, "rms_norm: x is on meta"),
+    "integrations: not a causal LM": (lambda p: _patch_a_linear(), UsageError, "Linear is not supported"),
+    "parallel: unknown backend": (lambda p: _call("rl_engine.parallel.launch:spawn_group", print, 1, backend="mpi"),
+                                  ValueError, "backend"),
+}
+
+
+@pytest.mark.parametrize("name", list(API))
+def test_bad_api_input_is_one_exception_of_one_line(files, tmp_path, name):
+    call, kind, expected = API[name]
+    before = snapshot(tmp_path)
+    with pytest.raises(kind) as exc:
+        call(files)
+    message = str(exc.value)
+    assert "\n" not in message.strip() and expected in message, message
+    assert snapshot(tmp_path) == before

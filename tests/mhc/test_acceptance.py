@@ -559,3 +559,21 @@ def test_a_bit_survives_the_trip_from_the_providers_process():
     report = check_provider(f"{__name__}:OneUlpSinkhorn", [CASES_BY_NAME["odd_t7"]], progress=None)
     assert not report["passed"] and first(report)["boundary"] == "fwd.sinkhorn.h_res"
     assert first(report)["max_ulp"] == 1 and first(report)["mismatched"] == 1
+
+
+class ProfileRaises(ReferenceProvider):
+    @property
+    def numeric_profile(self):
+        raise RuntimeError("no profile today")
+
+
+class CapabilitiesExit(ReferenceProvider):
+    def capabilities(self):
+        raise SystemExit(4)
+
+
+def test_a_provider_whose_profile_or_capabilities_raise_is_one_line_and_exit_1(capsys):
+    code, line = cli(capsys, ProfileRaises)
+    assert code == 1 and "judgment: reading numeric_profile raised RuntimeError: no profile today" in line
+    code, line = cli(capsys, CapabilitiesExit)
+    assert code == 1 and "capability: CapabilitiesExit.capabilities() raised SystemExit: 4" in line
