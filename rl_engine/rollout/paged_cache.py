@@ -59,10 +59,14 @@ class PagedKvCache:
         self.device = torch.device(device)
         self._free = list(range(num_pages - 1, NULL_PAGE, -1))  # pop() hands out the lowest page first
         self.tables: dict[int, list[int]] = {}
+        self._refs = [0] * num_pages  # tables holding each page
         self.block_table = None  # int32 [B, width]: the bound batch's page tables
         self._written = None  # (positions, block_table, their pool slots): every layer writes the same positions
 
     # -- allocation -----------------------------------------------------------------------------
+    # A page may sit in several tables (a prompt prefix shared by a group of samples): `_refs` counts its
+    # tables, and it goes back to the free list when the last one lets go. A write into a page that other
+    # tables hold copies it first (copy-on-write), so a sequence never changes what another one reads.
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
@@ -70,16 +74,60 @@ class PagedKvCache:
     def free_pages(self) -> int:
         return len(self._free)
 
+    def _take(self) -> int:
+        page = self._free.pop()
+        self._refs[page] = 1
+        return page
+
     def reserve(self, seq_id: int, num_tokens: int) -> None:
         """Give `seq_id` pages for `num_tokens` cache positions in all (it keeps the ones it has)."""
         table = self.tables.setdefault(seq_id, [])
         need = self.pages_for(num_tokens) - len(table)
         if need > len(self._free):
             raise RuntimeError(f"paged cache: sequence {seq_id} needs {need} more pages, {len(self._free)} free")
-        table.extend(self._free.pop() for _ in range(max(need, 0)))
+        table.extend(self._take() for _ in range(max(need, 0)))
+
+    def share(self, src_id: int, dst_id: int, num_tokens: int) -> None:
+        """Let `dst_id` (no pages yet) read `src_id`'s first `num_tokens` cache positions from the same pages."""
+        if self.tables.get(dst_id):
+            raise RuntimeError(f"paged cache: sequence {dst_id} already has pages; share into an empty table")
+        pages = self.tables[src_id][: self.pages_for(num_tokens)]
+        for page in pages:
+            self._refs[page] += 1
+        self.tables[dst_id] = list(pages)
+
+    def write_cost(self, seq_id: int, start: int, end: int) -> int:
+        """Free pages that `prepare_write(seq_id, start, end)` takes: new pages, and copies of shared ones."""
+        table = self.tables.get(seq_id, [])
+        shared = sum(self._refs[p] > 1 for p in table[start // self.page_size : self.pages_for(end)])
+        return max(self.pages_for(end) - len(table), 0) + shared
+
+    def prepare_write(self, seq_id: int, start: int, end: int) -> None:
+        """Make cache positions [start, end) of `seq_id` writable: pages up to `end`, and a page of its own
+        (copy-on-write) wherever another table holds the page it would write into."""
+        if self.write_cost(seq_id, start, end) > len(self._free):
+            raise RuntimeError(f"paged cache: sequence {seq_id} needs {self.write_cost(seq_id, start, end)} more "
+                               f"pages, {len(self._free)} free")
+        self.reserve(seq_id, end)
+        table = self.tables[seq_id]
+        for index in range(start // self.page_size, self.pages_for(end)):
+            if self._refs[table[index]] > 1:
+                self._copy_on_write(table, index)
+
+    def _copy_on_write(self, table: list[int], index: int) -> None:
+        """table[index] becomes a fresh page holding a copy of the shared one (every layer's keys and values)."""
+        old, new = table[index], self._take()
+        for pool in (*self.k, *self.v):
+            pool[new].copy_(pool[old])
+        self._refs[old] -= 1
+        table[index] = new
 
     def release(self, seq_id: int) -> None:
-        self._free.extend(reversed(self.tables.pop(seq_id)))
+        """Let go of `seq_id`'s pages; a page is free once no table holds it."""
+        for page in reversed(self.tables.pop(seq_id)):
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                self._free.append(page)
 
     # -- the cache protocol of DecoderModel.forward_cached ----------------------------------------
     def bind(self, seq_ids: list[int]) -> None:

@@ -73,19 +73,28 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
+        def number(x):  # bool is an int to Python, never a sampling parameter
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+        def integer(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if not (number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature: expected a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not integer(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k: expected an integer >= 0 (0: off), got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
+        if not (number(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p: expected 0 < top_p <= 1, got {self.top_p!r}")
-        if not 0 <= self.min_p <= 1:
+        if not (number(self.min_p) and 0 <= self.min_p <= 1):
             raise ValueError(f"min_p: expected 0 <= min_p <= 1, got {self.min_p!r}")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not integer(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected a positive integer, got {self.max_new_tokens!r}")
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+        if not integer(self.seed) or not 0 <= self.seed < 2**63:
             raise ValueError(f"seed: expected an integer in [0, 2^63), got {self.seed!r}")
+        stops = self.stop_token_ids
+        if not isinstance(stops, (tuple, list)) or not all(integer(t) and t >= 0 for t in stops):
+            raise TypeError(f"stop_token_ids: expected a tuple of token ids (integers >= 0), got {stops!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(stops))  # hashable, and `in` on a tuple
 
     @property
     def greedy(self) -> bool:

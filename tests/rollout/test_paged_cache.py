@@ -73,3 +73,25 @@ def test_a_forwards_layers_share_the_slots_and_binding_resets_them(micro_config)
     paged.use_block_table(static)
     paged.write(0, pos, 5 * x, 5 * x)
     assert torch.equal(paged.k[0][page_1], 4 * x[0]) and torch.equal(paged.k[0][page_2], 5 * x[0])
+
+
+def test_shared_pages_are_counted_and_copied_on_write(micro_config):
+    paged = PagedKvCache(micro_config, num_pages=8, page_size=4, dtype=torch.float32, device="cpu")
+    paged.reserve(1, 6)  # pages 1, 2: positions 0-3 and 4-5 (a partial page)
+    for pool in paged.k + paged.v:
+        pool[1:3] = torch.randn(pool[1:3].shape)
+    paged.share(1, 2, 5)  # sequence 2 reads positions 0-4 from 1's pages
+    assert paged.tables[2] == [1, 2] and paged.free_pages == 5
+    assert paged.write_cost(2, 5, 9) == 2  # a copy of page 2 and a new page 3
+    paged.prepare_write(2, 5, 9)
+    copy = paged.tables[2][1]
+    assert paged.tables[2][0] == 1 and copy not in (1, 2) and paged.free_pages == 3
+    assert all(torch.equal(pool[copy], pool[2]) for pool in paged.k + paged.v)
+    assert paged.write_cost(1, 6, 8) == 0  # page 2 is 1's alone again
+    paged.release(1)
+    assert paged.free_pages == 4 and 1 not in paged._free  # page 1 is still 2's
+    paged.release(2)
+    assert paged.free_pages == 7 and sum(paged._refs) == 0
+    with pytest.raises(RuntimeError, match="share into an empty table"):
+        paged.reserve(3, 1)
+        paged.share(3, 3, 1)

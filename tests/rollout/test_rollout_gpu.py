@@ -79,3 +79,34 @@ def test_rollout_logprobs_equal_the_trainer_recompute(model, alone):
             assert torch.equal(raw[rows].cpu().view(torch.int32), c.raw_logprobs.cpu().view(torch.int32)), s.sample_id
             tempered = tempered_logprobs(model, hidden[:, rows], layout.target_ids[:, rows].to(device), 0.8)[0]
             assert torch.equal(tempered.cpu().view(torch.int32), c.logprobs.cpu().view(torch.int32)), s.sample_id
+
+
+def test_a_group_with_sharing_and_eviction_under_cuda_graphs_keeps_the_bits(model):
+    # 4 samples of one 37-token prompt (the shared positions end inside page 2 of 16: copy-on-write) and 2
+    # other prompts in a pool of 12 pages: sequences are evicted and recomputed while graphs replay.
+    gen = torch.Generator().manual_seed(1)
+    prompts = [tuple(torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist()) for n in (37, 20, 50)]
+    reqs = [Request(i, prompts[0 if i < 4 else i - 3], SamplingParams(temperature=1.0, max_new_tokens=40, seed=5))
+            for i in range(6)]
+    want = RolloutEngine(model, max_batch_size=6, chunk_size=64, page_size=16, prefix_sharing=False,
+                         cuda_graphs=False).generate(reqs)
+    engine = RolloutEngine(model, max_batch_size=6, chunk_size=64, page_size=16, num_pages=13)
+    got = engine.generate(reqs)
+    assert engine.stats.shared_prompt_tokens > 0 and engine.stats.preemptions > 0 and engine.graphs.capture
+    differing = [rid for rid in want if not _same(got[rid], want[rid])]
+    assert not differing, differing
+
+
+def test_a_weight_update_reaches_the_captured_graphs():
+    config = get_config("qwen3-8b").with_layers(2)
+    old, new = (synthetic_weights(config, seed, device="cuda") for seed in (0, 1))
+    reqs = _requests(build_model(config, old, "triton_bf16"), [0] * len(PROMPT_LENGTHS))
+    engine = RolloutEngine(build_model(config, {n: t.clone() for n, t in old.items()}, "triton_bf16"),
+                           max_batch_size=6, chunk_size=64, page_size=16)
+    before = engine.generate(reqs)  # captures the decode graphs on the old weights
+    engine.update_weights(new.items())
+    after = engine.generate(reqs)  # replays them on the new ones
+    want = RolloutEngine(build_model(config, new, "triton_bf16"), max_batch_size=6, chunk_size=64,
+                         page_size=16).generate(reqs)
+    assert engine.graphs.capture and engine.graphs.steps
+    assert all(_same(after[i], want[i]) for i in want) and not all(_same(before[i], want[i]) for i in want)
