@@ -2,6 +2,8 @@
 logprobs equal the trainer's packed recompute (triton_bf16, synthetic weights, 2 layers). Decode steps
 replay CUDA graphs (the engine's default on a GPU), and give the bits of the eager engine."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -100,7 +102,7 @@ def test_a_group_with_sharing_and_eviction_under_cuda_graphs_keeps_the_bits(mode
 def test_a_weight_update_reaches_the_captured_graphs():
     config = get_config("qwen3-8b").with_layers(2)
     old, new = (synthetic_weights(config, seed, device="cuda") for seed in (0, 1))
-    reqs = _requests(build_model(config, old, "triton_bf16"), [0] * len(PROMPT_LENGTHS))
+    reqs = _requests(SimpleNamespace(config=config), [0] * len(PROMPT_LENGTHS))  # (reads the vocabulary size)
     engine = RolloutEngine(build_model(config, {n: t.clone() for n, t in old.items()}, "triton_bf16"),
                            max_batch_size=6, chunk_size=64, page_size=16)
     before = engine.generate(reqs)  # captures the decode graphs on the old weights
