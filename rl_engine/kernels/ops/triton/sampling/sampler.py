@@ -219,11 +219,11 @@ def _sample_kernel(
 
 
 def _block(vocab: int) -> tuple[int, int]:
-    """(BLOCK, num_warps): fixed per V, never per batch. Small under the interpreter, so that CPU tests at
-    V ~ 100 cross blocks and a tail."""
+    """(BLOCK, num_warps): fixed per V, never per batch (`benchmarks/sampler.py --sweep` times others). Small
+    under the interpreter, so that CPU tests at V ~ 40 cross blocks and a tail."""
     if interpreting():
         return min(32, triton.next_power_of_2(vocab)), 1
-    return min(1024, triton.next_power_of_2(vocab)), 8
+    return min(2048, triton.next_power_of_2(vocab)), 16
 
 
 _PARAMS = (("temperature", torch.float32), ("top_k", torch.int64), ("top_p", torch.float32),
