@@ -122,6 +122,16 @@ def _positions(cu: torch.Tensor, n: int) -> torch.Tensor:
     return _packed_positions(cu, n)[None]
 
 
+def _patched(model, profile: str) -> None:
+    """Patch `model` under `profile`, or keep it if `patch` already did so under the same profile."""
+    state = getattr(model, "_rl_engine_patch", None)
+    if state is None:
+        patch(model, profile)
+    elif state.profile != profile:
+        raise UsageError(f"RLEngineGRPOTrainer: the model is patched under {state.profile}, not {profile} "
+                         "(unpatch it first)")
+
+
 def _state(model):
     state = getattr(model, "_rl_engine_patch", None)
     if state is None:
@@ -178,9 +188,9 @@ class RLEngineGRPOTrainer(GRPOTrainer):
         if self.aux_loss_enabled:
             raise UsageError("RLEngineGRPOTrainer: MoE auxiliary losses are not supported by rl_engine")
         self.profile = profile
-        patch(self.accelerator.unwrap_model(self.model), profile)
-        if self.ref_model is not None:
-            patch(self.accelerator.unwrap_model(self.ref_model), profile)
+        for m in (self.model, self.ref_model):
+            if m is not None:
+                _patched(self.accelerator.unwrap_model(m), profile)
 
     # -- generation: TRL's rollout_func hook --------------------------------------------------------
     def _rollout(self, prompts: list, trainer) -> dict:

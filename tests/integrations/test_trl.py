@@ -101,3 +101,24 @@ def test_loss_options_compute_trls_loss(loss_type, level):
     (want, want_grad), (got, got_grad) = grads
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-10, atol=1e-14)
+
+
+def test_prepatched_model_kept_under_its_profile_refused_under_another(tmp_path):
+    from datasets import Dataset
+
+    from rl_engine.integrations.transformers import patch
+    from rl_engine.integrations.trl import RLEngineGRPOTrainer
+
+    tok = trl_grpo.tokenizer()
+    args = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2,
+                          num_generations=2, max_completion_length=2)
+    data = Dataset.from_dict({"prompt": ["a b"] * 2})
+    def trainer(profile):
+        model = trl_grpo.tiny_qwen3(len(tok))
+        patch(model, "torch_bf16")
+        return RLEngineGRPOTrainer(model, reward_funcs=trl_grpo.reward_a, args=args, train_dataset=data,
+                                   processing_class=tok, profile=profile)
+
+    assert trainer("torch_bf16").model._rl_engine_patch.profile == "torch_bf16"
+    with pytest.raises(UsageError, match="patched under torch_bf16, not triton_bf16"):
+        trainer("triton_bf16")
