@@ -173,8 +173,8 @@ def test_a_draw_keyed_by_the_batch_row_is_caught():
 
 
 def test_the_custom_op_gives_the_kernel_tokens():
-    logits, params, ids, positions = _batch(3, 40, DEVICE)
-    tensors = sampling_tensors(params, ids, positions, DEVICE)
+    logits, _, ids, positions = _batch(3, 40, DEVICE)
+    tensors = sampling_tensors([SamplingParams(temperature=0.9, seed=2)] * 3, ids, positions, DEVICE)
     assert torch.equal(torch.ops.rl_engine.sample_tokens(logits, *tensors), sample_tokens(logits, *tensors))
 
 
