@@ -33,24 +33,25 @@ DIMS = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num
         "num_key_value_heads": 1, "head_dim": 16}
 
 
-def tokenizer():
-    """A word-level tokenizer over WORDS (split on spaces), as a transformers fast tokenizer: no hub."""
+def tokenizer(words=WORDS):
+    """A word-level tokenizer over `words` (split on spaces), as a transformers fast tokenizer: no hub."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {w: i for i, w in enumerate(SPECIALS + WORDS)}
+    vocab = {w: i for i, w in enumerate(SPECIALS + list(words))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-def tiny_qwen3(vocab_size: int, seed: int = 0):
+def tiny_qwen3(vocab_size: int, seed: int = 0, dims=None, tie_word_embeddings=False):
+    """A Qwen3ForCausalLM with random weights, bf16 (DIMS unless `dims`; pad id 0, eos id 1)."""
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.Qwen3Config(vocab_size=vocab_size, **DIMS, pad_token_id=0, eos_token_id=1,
-                                      bos_token_id=None, tie_word_embeddings=False)
+    config = transformers.Qwen3Config(vocab_size=vocab_size, **(dims or DIMS), pad_token_id=0, eos_token_id=1,
+                                      bos_token_id=None, tie_word_embeddings=tie_word_embeddings)
     return transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
 
 
