@@ -204,18 +204,30 @@ class RLEngineGRPOTrainer(GRPOTrainer):
         params = SamplingParams(temperature=a.temperature, top_k=a.top_k or 0, top_p=a.top_p, min_p=a.min_p or 0.0,
                                 max_new_tokens=a.max_completion_length, stop_token_ids=tuple(self.eos_token_ids),
                                 seed=a.seed)
-        # The model's own Parameters (a dtype cast would copy: patch refused that), so each call sees the
-        # weights the optimizer last wrote.
-        decoder = DecoderModel(state.config, dict(model.state_dict()), state.ops)
-        opts = {"page_size": 16, "max_batch_size": len(prompts), **self._rollout_options}
-        page = opts["page_size"]
-        opts.setdefault("num_pages", 1 + sum(-(-(len(p) + params.max_new_tokens) // page) for p in prompt_ids))
         requests = [Request(next(self._request_ids), tuple(int(t) for t in p), params) for p in prompt_ids]
-        done = RolloutEngine(decoder, **opts).generate(requests)
+        done = self._engine_for(model, state, requests).generate(requests)
         out = [done[r.request_id] for r in requests]
         return {"prompt_ids": [list(r.prompt_ids) for r in requests],
                 "completion_ids": [c.token_ids for c in out],
                 "logprobs": [c.logprobs.tolist() for c in out]}
+
+    def _engine_for(self, model, state, requests) -> RolloutEngine:
+        """The RolloutEngine of the last call if it still reads the model's own tensors and has room, else a
+        new one. Its DecoderModel holds the model's Parameters themselves (a dtype cast would copy them:
+        `patch` refused that), so every call samples from the weights the optimizer last wrote in place;
+        keeping the engine keeps its captured decode graphs."""
+        weights = dict(model.state_dict())
+        key = tuple((name, t.data_ptr()) for name, t in weights.items())
+        opts = {"page_size": 16, **self._rollout_options}
+        pages = 1 + sum(-(-(len(r.prompt_ids) + r.params.max_new_tokens) // opts["page_size"]) for r in requests)
+        engine = getattr(self, "_engine", None)
+        if (engine is None or self._engine_key != key or engine.cache.num_pages < pages
+                or engine.max_batch_size < len(requests)):
+            opts.setdefault("max_batch_size", len(requests))
+            opts.setdefault("num_pages", pages)
+            engine = RolloutEngine(DecoderModel(state.config, weights, state.ops), **opts)
+            self._engine, self._engine_key = engine, key
+        return engine
 
     # -- the trainer's logprobs (old, reference) -------------------------------------------------------
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
