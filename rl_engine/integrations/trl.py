@@ -28,7 +28,8 @@ between releases, so other versions are refused at import):
 Refused in one line, naming the setting: loss types the op lacks (cispo, sapo, luspo, vespo), `delta`,
 `top_entropy_quantile` < 1, `entropy_coef` / adaptive entropy, `off_policy_mask_threshold`,
 `use_bias_correction_kl`, vLLM, transformers' continuous batching / paged generation, tools and
-environments, multimodal inputs, `repetition_penalty` != 1, `generation_kwargs`, MoE auxiliary losses.
+environments, multimodal inputs, `repetition_penalty` != 1, `generation_kwargs`, MoE auxiliary losses,
+more than one process (the packed forwards call the unwrapped model, past DDP's and FSDP's wrappers).
 """
 
 from __future__ import annotations
@@ -185,6 +186,9 @@ class RLEngineGRPOTrainer(GRPOTrainer):
         self._request_ids = itertools.count()
         super().__init__(*args, **kwargs)
         check_args(self.args)
+        if self.accelerator.num_processes > 1:  # the packed forwards call the unwrapped model: no DDP/FSDP hooks
+            raise UsageError(f"RLEngineGRPOTrainer: one process only, got {self.accelerator.num_processes} "
+                             "(DDP / FSDP / DeepSpeed are not supported yet)")
         if self.aux_loss_enabled:
             raise UsageError("RLEngineGRPOTrainer: MoE auxiliary losses are not supported by rl_engine")
         self.profile = profile

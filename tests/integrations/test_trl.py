@@ -104,7 +104,7 @@ def test_loss_options_compute_trls_loss(loss_type, level):
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-10, atol=1e-14)
 
 
-def test_prepatched_model_kept_under_its_profile_refused_under_another(tmp_path):
+def test_prepatched_model_kept_under_its_profile_refused_under_another_and_multiprocess(tmp_path, monkeypatch):
     from datasets import Dataset
 
     from rl_engine.integrations.transformers import patch
@@ -123,3 +123,9 @@ def test_prepatched_model_kept_under_its_profile_refused_under_another(tmp_path)
     assert trainer("torch_bf16").model._rl_engine_patch.profile == "torch_bf16"
     with pytest.raises(UsageError, match="patched under torch_bf16, not triton_bf16"):
         trainer("triton_bf16")
+
+    import accelerate
+
+    monkeypatch.setattr(accelerate.Accelerator, "num_processes", property(lambda self: 2))
+    with pytest.raises(UsageError, match="one process only, got 2"):
+        trainer("torch_bf16")
