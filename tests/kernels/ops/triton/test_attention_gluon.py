@@ -1,7 +1,7 @@
 """The experimental Gluon attention forward (attention/gluon_forward.py): its input checks, its sm_90a
 compile on the CPU, and on the H200 the bits (outputs and LSE) of flash.py's forward on the same sequence
 tables: a batch, left padding, packed sequences across a KV split, causal and not. Gluon's API moves
-between Triton releases; the module is written for the H200's Triton 3.6."""
+between Triton releases; the kernels compile under those of gluon_compat.SUPPORTED (CI compiles them under each)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,11 @@ import pytest
 import torch
 import triton
 
-pytestmark = pytest.mark.skipif(not triton.__version__.startswith("3.6."),
-                                reason=f"Gluon kernel written for Triton 3.6, this is {triton.__version__}")
+from rl_engine.kernels.ops.triton.attention import gluon_compat
+
+pytestmark = pytest.mark.skipif(not gluon_compat.supported(),
+                                reason=f"Gluon kernels written for Triton {gluon_compat.SUPPORTED}, this is "
+                                       f"{triton.__version__}")
 
 COMPILE = """
 import json, re, sys
@@ -57,8 +60,19 @@ def test_flash_forward_routes_only_what_the_kernel_is_written_for():
     for dtype, head_dim, capability, version in [(torch.float16, 128, (9, 0), "3.6.0"),
                                                 (torch.bfloat16, 96, (9, 0), "3.6.0"),
                                                 (torch.bfloat16, 128, (10, 0), "3.6.0"),
-                                                (torch.bfloat16, 128, (9, 0), "3.9.0")]:
+                                                (torch.bfloat16, 128, (9, 0), "3.5.1"),
+                                                (torch.bfloat16, 128, (9, 0), "3.10.0")]:
         assert not routes(dtype, head_dim, capability, version)
+
+
+@pytest.mark.parametrize("version, supported", [("3.6.0", True), ("3.7.1", True), ("3.8.0", True), ("3.9.0", True),
+                                                ("3.9.0+git1a2b3c4", True), ("3.5.1", False), ("3.10.0", False),
+                                                ("3.60.0", False), ("4.0.0", False)])
+def test_routes_the_triton_releases_it_compiles_under(version, supported):
+    from rl_engine.kernels.ops.triton.attention.gluon_forward import routes
+
+    assert gluon_compat.supported(version) == supported
+    assert routes(torch.bfloat16, 128, (9, 0), version) == supported
 
 
 def test_flash_backward_routes_its_own_head_dims():

@@ -12,8 +12,11 @@ import pytest
 import torch
 import triton
 
-pytestmark = pytest.mark.skipif(not triton.__version__.startswith("3.6."),
-                                reason=f"Gluon kernel written for Triton 3.6, this is {triton.__version__}")
+from rl_engine.kernels.ops.triton.attention import gluon_compat
+
+pytestmark = pytest.mark.skipif(not gluon_compat.supported(),
+                                reason=f"Gluon kernels written for Triton {gluon_compat.SUPPORTED}, this is "
+                                       f"{triton.__version__}")
 
 COMPILE = """
 import json, sys

@@ -1,4 +1,4 @@
-"""The attention backward on Hopper in Gluon (Triton 3.6), warp-specialised as the forward is
+"""The attention backward on Hopper in Gluon (Triton 3.6-3.9), warp-specialised as the forward is
 (gluon_forward.py): flash_backward runs these for bf16 head_dim 64, 128 and 256 on sm_90 (dQ on its side stream).
 
 dQ: per CTA two (head_dim 128, 256) or three (64) 64-row query tiles of one sequence and head (Q and dO in shared
@@ -45,13 +45,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 from rl_engine.kernels.ops.triton.attention import gluon_forward
 from rl_engine.kernels.ops.triton.attention.flash import LOG2_E, NO_WINDOW, attention_config
+from rl_engine.kernels.ops.triton.attention.gluon_compat import async_load
 from rl_engine.kernels.ops.triton.attention.gluon_forward import (
     BLOCK_M,
     _drain,
@@ -217,11 +217,11 @@ def gluon_dq_kernel(desc_q, desc_do, desc_k, desc_v, DQ, LSE, DELTA, SEQ_INFO,
         mbarrier.init(kv_empty.index(s), count=CONSUMERS)  # each consumer releases each stage
     nbytes: gl.constexpr = desc_q.block_type.nbytes + desc_do.block_type.nbytes
     mbarrier.expect(q_bars.index(0), nbytes)
-    tma.async_copy_global_to_shared(desc_q, [q_row0 + first_q, q_col], q_bars.index(0), q0)
-    tma.async_copy_global_to_shared(desc_do, [q_row0 + first_q, q_col], q_bars.index(0), do0)
+    async_load(desc_q, [q_row0 + first_q, q_col], q_bars.index(0), q0)
+    async_load(desc_do, [q_row0 + first_q, q_col], q_bars.index(0), do0)
     mbarrier.expect(q_bars.index(1), nbytes)
-    tma.async_copy_global_to_shared(desc_q, [q_row0 + first_q + BLOCK_M, q_col], q_bars.index(1), q1)
-    tma.async_copy_global_to_shared(desc_do, [q_row0 + first_q + BLOCK_M, q_col], q_bars.index(1), do1)
+    async_load(desc_q, [q_row0 + first_q + BLOCK_M, q_col], q_bars.index(1), q1)
+    async_load(desc_do, [q_row0 + first_q + BLOCK_M, q_col], q_bars.index(1), do1)
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_dq_consumer, (q0, do0, q_bars.index(0), k_bufs, v_bufs, k_tails.index(0), kv_ready, kv_empty, DQ, LSE,
@@ -239,8 +239,8 @@ def gluon_dq_kernel(desc_q, desc_do, desc_k, desc_v, DQ, LSE, DELTA, SEQ_INFO,
         q2 = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
         do2 = gl.allocate_shared_memory(desc_do.dtype, desc_do.block_type.shape, desc_do.layout)
         mbarrier.expect(q_bars.index(2), nbytes)
-        tma.async_copy_global_to_shared(desc_q, [q_row0 + first_q + 2 * BLOCK_M, q_col], q_bars.index(2), q2)
-        tma.async_copy_global_to_shared(desc_do, [q_row0 + first_q + 2 * BLOCK_M, q_col], q_bars.index(2), do2)
+        async_load(desc_q, [q_row0 + first_q + 2 * BLOCK_M, q_col], q_bars.index(2), q2)
+        async_load(desc_do, [q_row0 + first_q + 2 * BLOCK_M, q_col], q_bars.index(2), do2)
         gl.warp_specialize([
             (_dq_consumer, (q0, do0, q_bars.index(0), k_bufs, v_bufs, k_tails.index(0), kv_ready, kv_empty, DQ, LSE,
                             DELTA, stride_qr, stride_qh, stride_lr, qk_scale, scale, head, q_row0, q_count, q_pos0,
@@ -277,12 +277,12 @@ def _qdo_producer(desc_q, desc_do, desc_lse, desc_delta, q_bufs, do_bufs, lse_bu
             row = q_row0 + m * BLOCK_M
             mbarrier.wait(empty.index(st), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
             mbarrier.expect(ready.index(st), nbytes)
-            tma.async_copy_global_to_shared(desc_q, [row, col], ready.index(st), q_bufs.index(st))
-            tma.async_copy_global_to_shared(desc_do, [row, col], ready.index(st), do_bufs.index(st))
+            async_load(desc_q, [row, col], ready.index(st), q_bufs.index(st))
+            async_load(desc_do, [row, col], ready.index(st), do_bufs.index(st))
             shift = row % 4  # `shifted_rows`
             row_c = [shift * n_heads + head, row - shift]
-            tma.async_copy_global_to_shared(desc_lse, row_c, ready.index(st), lse_bufs.index(st))
-            tma.async_copy_global_to_shared(desc_delta, row_c, ready.index(st), delta_bufs.index(st))
+            async_load(desc_lse, row_c, ready.index(st), lse_bufs.index(st))
+            async_load(desc_delta, row_c, ready.index(st), delta_bufs.index(st))
 
 
 @gluon.jit
@@ -483,8 +483,8 @@ def gluon_dkdv_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, DK,
         mbarrier.init(empty.index(s), count=2)  # each consumer releases each stage
     nbytes: gl.constexpr = desc_k.block_type.nbytes + desc_v.block_type.nbytes
     mbarrier.expect(kv_bars.index(0), nbytes)
-    tma.async_copy_global_to_shared(desc_k, [k_row0 + start_n, kv_col], kv_bars.index(0), k0)
-    tma.async_copy_global_to_shared(desc_v, [k_row0 + start_n, kv_col], kv_bars.index(0), v0)
+    async_load(desc_k, [k_row0 + start_n, kv_col], kv_bars.index(0), k0)
+    async_load(desc_v, [k_row0 + start_n, kv_col], kv_bars.index(0), v0)
     if SPLIT:  # one tile: the consumers share its K and V, one forming dV, the other dK
         k1 = k0
         v1 = v0
@@ -494,8 +494,8 @@ def gluon_dkdv_kernel(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, DK,
         v1 = gl.allocate_shared_memory(desc_v.dtype, desc_v.block_type.shape, desc_v.layout)
         kv_bar1 = kv_bars.index(1)
         mbarrier.expect(kv_bar1, nbytes)
-        tma.async_copy_global_to_shared(desc_k, [k_row0 + start_n1, kv_col], kv_bar1, k1)
-        tma.async_copy_global_to_shared(desc_v, [k_row0 + start_n1, kv_col], kv_bar1, v1)
+        async_load(desc_k, [k_row0 + start_n1, kv_col], kv_bar1, k1)
+        async_load(desc_v, [k_row0 + start_n1, kv_col], kv_bar1, v1)
     gl.warp_specialize([
         (_dkdv_consumer, (k0, v0, kv_bars.index(0), q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, DK, DV,
                           stride_kr, stride_kh, qk_scale, scale, kv_head, group, q_count, q_pos0, k_row0, kv_len,

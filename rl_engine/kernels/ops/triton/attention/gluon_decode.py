@@ -1,4 +1,4 @@
-"""Decode attention in Gluon (Hopper, Triton 3.6): a KV head's whole query group in one program with the products
+"""Decode attention in Gluon (Hopper, Triton 3.6-3.9): a KV head's whole query group in one program with the products
 transposed; flash.py's bits.
 
 A decode step has group · Sq query rows per KV head (4 at Qwen3-8B's batch 1) and walks each 2048-key split as one
@@ -51,13 +51,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 from rl_engine.kernels.ops.triton.attention import flash, gluon_forward
 from rl_engine.kernels.ops.triton.attention.flash import _NO_WINDOW, COMBINE_BLOCK_R, LOG2_E, attention_config
+from rl_engine.kernels.ops.triton.attention.gluon_compat import async_load
 from rl_engine.kernels.ops.triton.attention.gluon_forward import (
     M_INIT,
     RESCALE_ABOVE,
@@ -94,15 +94,15 @@ def _load(desc_k, desc_v, k_bufs, v_bufs, ready, t, b0, k_row0, k_col, v_col, BL
             pos = gl.minimum((b0 + t) * BLOCK_N + j * PAGE_ROWS, kv_len - 1)
             page = gl.load(BLOCK_TABLE + k_row0 * stride_bt + pos // PAGE)
             row = page * PAGE + pos % PAGE // PAGE_ROWS * PAGE_ROWS
-            tma.async_copy_global_to_shared(desc_k, [row, k_col], bar,
+            async_load(desc_k, [row, k_col], bar,
                                             k_bufs.index(slot).slice(j * PAGE_ROWS, PAGE_ROWS))
-            tma.async_copy_global_to_shared(desc_v, [row, v_col], bar,
+            async_load(desc_v, [row, v_col], bar,
                                             v_bufs.index(slot).slice(j * PAGE_ROWS, PAGE_ROWS))
     else:
         mbarrier.expect(bar, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
         row = k_row0 + (b0 + t) * BLOCK_N
-        tma.async_copy_global_to_shared(desc_k, [row, k_col], bar, k_bufs.index(slot))
-        tma.async_copy_global_to_shared(desc_v, [row, v_col], bar, v_bufs.index(slot))
+        async_load(desc_k, [row, k_col], bar, k_bufs.index(slot))
+        async_load(desc_v, [row, v_col], bar, v_bufs.index(slot))
 
 
 @gluon.jit
@@ -382,7 +382,7 @@ def gluon_decode_kernel(desc_k, desc_v, Q, O, LSE, PM, PL, PACC, SEQ_INFO, BLOCK
 
 
 def covers(q: torch.Tensor, k: torch.Tensor, max_q_count: int, page_size: int | None = None) -> bool:
-    """Whether this kernel takes a forward: bf16 rows at head_dim 64 / 128 on sm_90 under Triton 3.6, whose
+    """Whether this kernel takes a forward: bf16 rows at head_dim 64 / 128 on sm_90 under gluon_compat.SUPPORTED, whose
     group · queries fit QN columns; a paged cache (page_size given) only with PAGED on and pages whose copies are
     whole 8-row swizzle atoms of a key block (`pages_fit`)."""
     if page_size is not None and not (PAGED and pages_fit(page_size)):

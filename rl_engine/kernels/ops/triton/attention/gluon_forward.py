@@ -1,7 +1,7 @@
-"""A warp-specialised attention forward for Hopper in Gluon (Triton 3.6): the route to the overlap that
+"""A warp-specialised attention forward for Hopper in Gluon (Triton 3.6-3.9): the route to the overlap that
 flash.py's kernel cannot express. flash_forward hands it the launches it covers (`covers`): whole query
 tiles (not decode's split programs), one query head per tile, bf16, head_dim 64, 128 and 256, on sm_90 with
-Triton 3.6.
+a Triton release of gluon_compat.SUPPORTED (the names its releases spell apart come from there).
 
 Per CTA: three (head_dim 64, 128) or two (256) 64-row query tiles of one sequence and head, each on its own
 consumer warpgroup, and a 1-warp producer that streams the union of their K/V blocks into rings of shared
@@ -39,13 +39,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
-from rl_engine.kernels.ops.triton.attention import flash
+from rl_engine.kernels.ops.triton.attention import flash, gluon_compat
 from rl_engine.kernels.ops.triton.attention.flash import LOG2_E, NO_WINDOW, attention_config, default_scale
+from rl_engine.kernels.ops.triton.attention.gluon_compat import async_load
 
 M_INIT = gl.constexpr(-1.0e30)
 RESCALE_ABOVE = gl.constexpr(flash.RESCALE_ABOVE.value)
@@ -86,8 +86,8 @@ def _producer(desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col
             mbarrier.wait(kv_empty.index(s), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
             ready = kv_ready.index(s)
             mbarrier.expect(ready, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_k, [k_row0 + j * BLOCK_N, kv_col], ready, k_bufs.index(s))
-            tma.async_copy_global_to_shared(desc_v, [k_row0 + j * BLOCK_N, kv_col], ready, v_bufs.index(s))
+            async_load(desc_k, [k_row0 + j * BLOCK_N, kv_col], ready, k_bufs.index(s))
+            async_load(desc_v, [k_row0 + j * BLOCK_N, kv_col], ready, v_bufs.index(s))
     else:  # K_j before V_{j-1}, which its consumers read after K_j
         for j in range(glo, ghi + 1):
             if j < ghi:
@@ -95,13 +95,13 @@ def _producer(desc_k, desc_v, k_bufs, v_bufs, kv_ready, kv_empty, k_row0, kv_col
                 s = t % STAGES
                 mbarrier.wait(kv_empty.index(s), ((t // STAGES) & 1) ^ 1)
                 mbarrier.expect(kv_ready.index(s), desc_k.block_type.nbytes)
-                tma.async_copy_global_to_shared(desc_k, [k_row0 + j * BLOCK_N, kv_col], kv_ready.index(s),
+                async_load(desc_k, [k_row0 + j * BLOCK_N, kv_col], kv_ready.index(s),
                                                 k_bufs.index(s))
             if j > glo:
                 buf, bar, parity = _v_stage(j - 1 - glo, STAGES, V_STAGES)
                 mbarrier.wait(kv_empty.index(bar), parity ^ 1)
                 mbarrier.expect(kv_ready.index(bar), desc_v.block_type.nbytes)
-                tma.async_copy_global_to_shared(desc_v, [k_row0 + (j - 1) * BLOCK_N, kv_col], kv_ready.index(bar),
+                async_load(desc_v, [k_row0 + (j - 1) * BLOCK_N, kv_col], kv_ready.index(bar),
                                                 v_bufs.index(buf))
 
 
@@ -518,9 +518,9 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
         mbarrier.init(kv_ready.index(s), count=1)
         mbarrier.init(kv_empty.index(s), count=CONSUMERS)  # each consumer releases each stage
     mbarrier.expect(q_bars.index(0), desc_q.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_q, [q_row0 + first_q, q_col], q_bars.index(0), q0)
+    async_load(desc_q, [q_row0 + first_q, q_col], q_bars.index(0), q0)
     mbarrier.expect(q_bars.index(1), desc_q.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_q, [q_row0 + first_q + BLOCK_M, q_col], q_bars.index(1), q1)
+    async_load(desc_q, [q_row0 + first_q + BLOCK_M, q_col], q_bars.index(1), q1)
     if CONSUMERS == 2:  # no shared buffers for the running folds (T_TILES = 0): q0 stands in, never read
         T0, ML0, T1, ML1 = q0, q0, q0, q0
         gl.warp_specialize([
@@ -538,7 +538,7 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
     else:
         q2 = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
         mbarrier.expect(q_bars.index(2), desc_q.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_q, [q_row0 + first_q + 2 * BLOCK_M, q_col], q_bars.index(2), q2)
+        async_load(desc_q, [q_row0 + first_q + 2 * BLOCK_M, q_col], q_bars.index(2), q2)
         # the running folds of the last T_TILES consumers in shared memory, the first's (the lightest tile, done a
         # block before the others) in the workspace when T_TILES = 2; rows swizzled by 32-byte groups, so a warp's
         # stores and loads of its accumulator rows are conflict-free
@@ -574,10 +574,10 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
 def routes(dtype: torch.dtype, head_dim: int, capability: tuple[int, int], triton_version: str,
            head_dims=tuple(SHAPES)) -> bool:
     """Whether a launch goes to a Gluon kernel written for `head_dims` (this forward's by default; the
-    backward's are gluon_backward.HEAD_DIMS): bf16 on sm_90 under Triton 3.6 (Gluon's API moves between
-    Triton releases)."""
+    backward's are gluon_backward.HEAD_DIMS): bf16 on sm_90 under a Triton release whose Gluon API the kernels
+    compile under (gluon_compat.SUPPORTED; the API moves between releases)."""
     return (dtype == torch.bfloat16 and head_dim in head_dims and capability == (9, 0)
-            and triton_version.startswith("3.6."))
+            and gluon_compat.supported(triton_version))
 
 
 @functools.cache
