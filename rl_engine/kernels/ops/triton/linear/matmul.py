@@ -100,15 +100,23 @@ GPU_CONFIGS: dict[str, MatmulConfig] = {
 GPU_CONFIG_OVERRIDES: dict[tuple[str, int, int], MatmulConfig] = {}
 
 # Small M (decode): the table's config for M <= max_m. Same BLOCK_K and instruction family as the
-# large config (checked); narrow N tiles so that many programs stream the weight. Keyed like the
-# large table: dtype name, then optional (N, K) overrides (None: no small-M config for that shape).
-# `benchmarks/matmul_small_m.py` sweeps candidates on the H200 and prints the lines to paste here.
+# large config (checked); narrower N tiles and a deeper pipeline so that many programs stream the
+# weight. Keyed like the large table: dtype name, then optional (N, K) overrides (None: no small-M
+# config for that shape). `benchmarks/matmul_small_m.py` sweeps candidates and prints the lines.
+_DECODE = MatmulConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=8, persistent=True)
+_DECODE_NARROW = dataclasses.replace(_DECODE, block_n=32)  # N = 1024: 32 programs instead of 8
 SMALL_M_CONFIGS: dict[str, SmallMConfig | None] = {
-    "bfloat16": SmallMConfig(256, MatmulConfig(64, 64, 64, group_m=8, num_warps=4, num_stages=6, persistent=False)),
-    "float16": SmallMConfig(256, MatmulConfig(64, 64, 64, group_m=8, num_warps=4, num_stages=6, persistent=False)),
+    "bfloat16": SmallMConfig(256, _DECODE),
+    "float16": SmallMConfig(256, _DECODE),
     "float32": None,  # ieee fp32 runs on FMA units: compute-bound well below M = 256
 }
-SMALL_M_OVERRIDES: dict[tuple[str, int, int], SmallMConfig | None] = {}
+SMALL_M_OVERRIDES: dict[tuple[str, int, int], SmallMConfig | None] = {
+    ("bfloat16", 1024, 4096): SmallMConfig(256, _DECODE_NARROW),  # Qwen3-8B k/v
+    # Wide N already gives every SM tiles; from M = 256 the large tiles' operand reuse wins there.
+    ("bfloat16", 12288, 4096): SmallMConfig(128, _DECODE),  # gate/up
+    ("bfloat16", 24576, 4096): SmallMConfig(128, _DECODE),  # gate and up fused
+    ("bfloat16", 151936, 4096): SmallMConfig(128, _DECODE),  # lm_head
+}
 
 # The interpreter runs every program in Python: small tiles keep CPU tests fast. Still fixed.
 INTERPRETER_CONFIG = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1, tma=False)
