@@ -1,8 +1,8 @@
 """Batch-invariant persistent GEMM: c[M,N] = a[M,K] @ b[K,N], and the matmul op built on it.
 
-Why a row's bits never depend on M (DESIGN.md rule 1): the tile configuration is looked up from
-(dtype, N, K) only, there is no split-K, and every output tile is one fp32 accumulator that walks
-K in BLOCK_K steps from 0 upwards with the same `tl.dot` instruction shapes. M only changes how
+Why a row's bits never depend on M (DESIGN.md rule 1): the reduction order is fixed by (dtype, N, K)
+only, there is no split-K, and every output element is one fp32 accumulator that walks K in
+BLOCK_K steps from 0 upwards with the same `tl.dot` instruction family. M only changes how
 many tiles exist and which program runs which tile, never the arithmetic of a tile. Rows past M
 are padding that is computed and thrown away. `M` is excluded from Triton's argument
 specialisation so M = 1 (or M % 16 == 0) compiles the same kernel as any other M.
@@ -14,8 +14,9 @@ at the device's bandwidth. So a second config, chosen by M, runs small M with na
 every output element's reduction order: the same BLOCK_K, K walked from 0 upwards into one fp32
 accumulator, the same `tl.dot` instruction family (BLOCK_M >= 64 in warpgroups of 4 warps: Hopper's
 wgmma, as the large config; rows past M are padding), no split-K. Only the tile's N width, the
-pipeline depth and the grid change, none of which touches an element's arithmetic. `_make_plan`
-refuses a pair that breaks this; `benchmarks/matmul_small_m.py` proves the bits equal on the GPU.
+pipeline depth and the grid change, none of which touches an element's arithmetic. Building the
+plan refuses a pair that breaks this (`check_same_reduction_order`); `benchmarks/matmul_small_m.py`
+proves the bits equal on the GPU.
 A fixed split-K at every M was the other option; it would slow the large-M path (partials).
 
 The kernel is persistent: grid = min(#SMs, #tiles) programs, each looping over tiles with a
@@ -24,7 +25,7 @@ stride of #SMs (grouped ordering for L2 reuse). Two variants share that structur
   path), with either operand allowed to be stored transposed (weight.t(), a.t() in backward);
 - `_matmul_pointer_kernel` loads through arbitrary strides (any layout or alignment).
 Which one runs is fixed by the config table and by (dtype, N, K, b's layout): never by M. A
-non-persistent config (`persistent=False`, the small-M one) runs the same kernel with one tile per
+non-persistent config (`persistent=False`, a small-M candidate) runs the same kernel with one tile per
 program: its stride between tiles is larger than any tile count.
 
 Host cost: at small M launching can take longer than the GPU's work, so the launch is kept short.
@@ -37,7 +38,7 @@ thread, like the CUDA context below) and change the kernel, so the host descript
 
 Under the CPU interpreter bf16/fp16 `tl.dot` is wrong, so `DOT_FP32` upcasts the operands first
 (runtime.dot_fp32); the interpreter also gets its own small fixed configs (a large-M and a small-M
-one that differ in every field but BLOCK_K, so CPU tests exercise the dispatch). fp32 operands use
+one that differ in tile shape, grouping and grid but not BLOCK_K, so CPU tests exercise the dispatch). fp32 operands use
 input_precision="ieee" (no TF32).
 """
 
