@@ -229,13 +229,14 @@ class FusedLinearPolicyLoss(nn.Module):
     def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, target_ids: torch.Tensor,
                 advantages: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor | None = None,
                 ref_logprobs: torch.Tensor | None = None, *, normalizer: float | torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                main_grad: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(loss, metrics) on hidden [N,H] or [B,T,H] @ lm_head_weight [V,H]^T.
 
         target_ids, old_logprobs, mask, ref_logprobs: [N] or [B,T]; advantages: the same, or [B] per
         sequence. normalizer: the aggregation's divisor (default: this batch's active tokens, or sequences).
         metrics: pg_clipfrac, pg_clipfrac_lower (ppo), ppo_kl, k3_kl, kl_loss (with ref_logprobs), entropy
-        (when computed), each a mean over active tokens.
+        (when computed), each a mean over active tokens. main_grad: the fp32 main-grad mode (an fp32 [V,H]
+        buffer dL/dW is added into, or the weight's `.main_grad`; see rl_engine.losses.linear_policy_loss).
         """
         from rl_engine.losses import linear_policy_loss
 
@@ -244,7 +245,8 @@ class FusedLinearPolicyLoss(nn.Module):
             hidden, lm_head_weight, target_ids, advantages, old_logprobs, mask, ref_logprobs,
             policy_loss=c.policy_loss, clip_ratio_low=c.clip_ratio_low, clip_ratio_high=c.clip_ratio_high,
             clip_ratio_c=c.clip_ratio_c, loss_agg_mode=c.loss_agg_mode, kl_coef=c.kl_coef, entropy_coef=c.entropy_coef,
-            temperature=c.temperature, compute_entropy=c.compute_entropy, normalizer=normalizer, backend=self.backend)
+            temperature=c.temperature, compute_entropy=c.compute_entropy, normalizer=normalizer, backend=self.backend,
+            main_grad=main_grad)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -25,8 +25,8 @@ def linear_policy_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targe
                        clip_ratio_low: float = 0.2, clip_ratio_high: float | None = None, clip_ratio_c: float = 3.0,
                        loss_agg_mode: str | None = None, kl_coef: float = 0.0, entropy_coef: float = 0.0,
                        temperature: float = 1.0, compute_entropy: bool = False,
-                       normalizer: float | torch.Tensor | None = None,
-                       backend: str = "triton") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                       normalizer: float | torch.Tensor | None = None, backend: str = "triton",
+                       main_grad: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss, metrics) of a GRPO/PPO/DAPO/GSPO policy loss on hidden [N,H] or [B,T,H] @ lm_head_weight [V,H]^T.
 
     policy_loss: "ppo" (token ratio, clip [1 - clip_ratio_low, 1 + clip_ratio_high], dual clip
@@ -45,19 +45,55 @@ def linear_policy_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targe
     its gradients and the metrics are NaN). A NaN or ±inf old or reference logprob (or logp) makes the
     loss and its gradients NaN, never a clamped finite number. kl_coef, entropy_coef and temperature
     must be finite (ValueError), a number `normalizer` finite and > 0.
+
+    Weight-gradient modes, with the same loss, logp and metric bits: lean (the default), the gradient
+    in lm_head_weight's dtype; fp32 main-grad, when `main_grad` (a contiguous fp32 [V,H] tensor on the
+    weight's device) is given or the weight carries `.main_grad` (Megatron): backward adds dL/dW into
+    it (main_grad += dW, fp32, token chunks in a fixed order) and lm_head_weight gets no .grad.
     """
     cfg = PolicyLossConfig(policy_loss=policy_loss, clip_ratio_low=clip_ratio_low,
                            clip_ratio_high=clip_ratio_low if clip_ratio_high is None else clip_ratio_high,
                            clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode, kl_coef=kl_coef,
                            entropy_coef=entropy_coef, temperature=temperature, compute_entropy=compute_entropy)
-    args = (hidden, lm_head_weight, target_ids, advantages, old_logprobs, mask, ref_logprobs)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    main_grad = _main_grad(lm_head_weight, main_grad)
     if backend == "pytorch":
+        if main_grad is not None and torch.is_grad_enabled() and lm_head_weight.requires_grad:
+            lm_head_weight = _into_main_grad(lm_head_weight, main_grad)
+        args = (hidden, lm_head_weight, target_ids, advantages, old_logprobs, mask, ref_logprobs)
         return reference_linear_policy_loss(*args, cfg=cfg, normalizer=normalizer)
-    if backend == "triton":
-        from rl_engine.kernels.ops.triton.loss.linear_policy_loss import linear_policy_loss as fused
+    from rl_engine.kernels.ops.triton.loss.linear_policy_loss import linear_policy_loss as fused
 
-        return fused(*args, cfg=cfg, normalizer=normalizer)
-    raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    args = (hidden, lm_head_weight, target_ids, advantages, old_logprobs, mask, ref_logprobs)
+    return fused(*args, cfg=cfg, normalizer=normalizer, main_grad=main_grad)
+
+
+def _main_grad(weight: torch.Tensor, main_grad: torch.Tensor | None) -> torch.Tensor | None:
+    """The fp32 buffer of the main-grad mode: `main_grad`, else the weight's `.main_grad`, else None."""
+    if main_grad is None:
+        main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        return None
+    want = tuple(weight.shape)
+    if not (isinstance(main_grad, torch.Tensor) and main_grad.dtype == torch.float32
+            and tuple(main_grad.shape) == want and main_grad.device == weight.device and main_grad.is_contiguous()):
+        got = (f"{main_grad.dtype} {tuple(main_grad.shape)} on {main_grad.device}"
+               f"{'' if main_grad.is_contiguous() else ', not contiguous'}"
+               if isinstance(main_grad, torch.Tensor) else type(main_grad).__name__)
+        raise ValueError(f"main_grad: expected a contiguous torch.float32 {want} on {weight.device}, got {got}")
+    return main_grad
+
+
+def _into_main_grad(weight: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor:
+    """The gold's main-grad mode: an fp32 copy of the weight whose gradient is added into main_grad."""
+    w32 = weight.detach().float().requires_grad_(True)
+
+    def add(grad):
+        main_grad.add_(grad)
+
+    w32.register_hook(add)
+    return w32
 
 
 __all__ = ["BACKENDS", "LOSS_AGG_MODES", "POLICY_LOSSES", "PolicyLossConfig", "linear_policy_loss"]

@@ -44,6 +44,11 @@ gradient GEMMs: 4 GEMMs of work. Three would need the logits of a token chunk ke
 known ([TOKEN_CHUNK, V]) or dW accumulated in fp32 across token chunks ([V, H] fp32): both far above
 the memory goal. H200, N = 4096 / 8192, H = 4096, V = 151936: 4.38x / 4.51x a cuBLAS GEMM of the
 logits' shape, 67 / 168 MB working memory (benchmarks/results/policy_loss.json).
+
+fp32 main-grad mode (`main_grad=`, `_MainGradLossFunction`): the forward runs passes 1-3 only; the backward
+runs pass 4 with the upstream folded into a_t, b_t, and dW goes into the caller's fp32 [V,H] buffer
+(main_grad += dlogits^T @ hidden, token chunks in order, no scratch, no weight-dtype gradient). Same
+loss, logp and metric bits; the same 4 GEMMs of work (the 3-GEMM form is not built).
 """
 
 from __future__ import annotations
@@ -305,8 +310,11 @@ def _statistics(rows, w, targets, inv_temp, entropy, cfg):
     return logp, lse, (mean_z if entropy else None)
 
 
-def _gradients(rows, w, targets, lse, mean_z, a, b, inv_temp, cfg, need_hidden, need_weight):
-    """fp32 dhidden [N,H] and dW [V,H] (weight dtype) for per-token coefficients a = dL/dlogp, b = dL/dH."""
+def _gradients(rows, w, targets, lse, mean_z, a, b, inv_temp, cfg, need_hidden, need_weight, main_grad=None):
+    """fp32 dhidden [N,H] and dW [V,H] (weight dtype) for per-token coefficients a = dL/dlogp, b = dL/dH.
+
+    main_grad: an fp32 [V,H] buffer dW is added into (main_grad += dW, token chunks in order), returned
+    in place of dW: no weight-dtype gradient and no scratch."""
     n, h = rows.shape
     v = w.shape[0]
     tc = cfg["TOKEN_CHUNK"]
@@ -314,17 +322,20 @@ def _gradients(rows, w, targets, lse, mean_z, a, b, inv_temp, cfg, need_hidden, 
     bonus = b is not None
     dlogits = torch.empty(min(tc, n), min(vc, v), dtype=rows.dtype, device=rows.device)
     grad_hidden = torch.zeros(n, h, dtype=torch.float32, device=rows.device) if need_hidden else None
-    grad_weight = torch.empty_like(w) if need_weight else None
+    grad_weight = torch.empty_like(w) if need_weight and main_grad is None else None
     # dW sums over token chunks in fp32, in chunk order; fp32 weights accumulate in place.
     scratch = None
-    if need_weight and w.dtype != torch.float32 and n > tc:  # one token chunk: one rounding, no scratch
+    if need_weight and main_grad is None and w.dtype != torch.float32 and n > tc:  # one chunk: one rounding
         scratch = torch.empty(min(vc, v), h, dtype=torch.float32, device=rows.device)
     w_desc = tma_descriptor(w, [cfg["BLOCK_V"], cfg["BLOCK_H"]])
     h_descs = [tma_descriptor(rows[t0:t0 + tc], [cfg["BLOCK_T"], cfg["BLOCK_H"]]) for t0 in range(0, n, tc)]
     programs = num_programs(rows.device)
     for v0 in range(0, v, vc):
         v1 = min(v0 + vc, v)
-        dw = None if not need_weight else (grad_weight[v0:v1] if scratch is None else scratch[: v1 - v0])
+        dw = None
+        if need_weight:
+            dw = main_grad if main_grad is not None else grad_weight if scratch is None else None
+            dw = dw[v0:v1] if dw is not None else scratch[: v1 - v0]
         for t0 in range(0, n, tc):
             t1 = min(t0 + tc, n)
             d = dlogits[: t1 - t0, : v1 - v0]
@@ -337,10 +348,10 @@ def _gradients(rows, w, targets, lse, mean_z, a, b, inv_temp, cfg, need_hidden, 
             if need_hidden:
                 _matmul(d, w[v0:v1], grad_hidden[t0:t1], accumulate=v0 > 0, gemm=cfg["DH"])
             if need_weight:
-                _matmul(d.t(), rows[t0:t1], dw, accumulate=t0 > 0, gemm=cfg["DW"])
+                _matmul(d.t(), rows[t0:t1], dw, accumulate=t0 > 0 or main_grad is not None, gemm=cfg["DW"])
         if scratch is not None:
             grad_weight[v0:v1].copy_(dw)  # one round-to-nearest-even cast per element
-    return grad_hidden, grad_weight
+    return grad_hidden, (main_grad if main_grad is not None else grad_weight)
 
 
 def _token_terms(logp, lse, mean_z, old, ref, adv, weight, seq, cfg: PolicyLossConfig) -> dict:
@@ -489,7 +500,7 @@ linear_policy_loss_autograd = register_autograd(linear_policy_loss_op, _loss_bac
 
 
 def linear_policy_loss(hidden, lm_head_weight, target_ids, advantages, old_logprobs, mask=None, ref_logprobs=None,
-                       cfg: PolicyLossConfig | None = None, normalizer=None):
+                       cfg: PolicyLossConfig | None = None, normalizer=None, main_grad=None):
     """(loss, metrics): the fused policy loss; see the gold for formulas and the module doc for invariance.
 
     hidden [N,H] or [B,T,H]; per-token tensors [N] or [B,T] (advantages may be [B] per sequence);
@@ -497,6 +508,8 @@ def linear_policy_loss(hidden, lm_head_weight, target_ids, advantages, old_logpr
     Non-finite inputs (as the gold): an id outside [0, V) is a ValueError on the CPU; on a GPU (no host read)
     it makes the token's logp NaN, so the loss, its gradients and the metrics are NaN. A NaN or ±inf old or
     reference logprob makes the loss and gradients NaN.
+    main_grad: the fp32 main-grad mode (`_MainGradLossFunction`); the loss, logp and metrics bits are the
+    lean mode's.
     """
     check_devices("linear_policy_loss", hidden=hidden, lm_head_weight=lm_head_weight, target_ids=target_ids,
                   advantages=advantages, old_logprobs=old_logprobs, mask=mask, ref_logprobs=ref_logprobs)
@@ -510,11 +523,16 @@ def linear_policy_loss(hidden, lm_head_weight, target_ids, advantages, old_logpr
     token_weight = aggregation_weights(mask, cfg, normalizer)
     grad_on = torch.is_grad_enabled()
     need_hidden, need_weight = grad_on and hidden.requires_grad, grad_on and lm_head_weight.requires_grad
-    loss, logp, clipped, lower, kl, entropy, _, _ = linear_policy_loss_autograd(
-        hidden, lm_head_weight, target_ids, advantages, old_logprobs, ref_logprobs, mask, token_weight,
-        cfg.policy_loss, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.kl_coef, cfg.entropy_coef,
-        cfg.temperature, cfg.compute_entropy, need_hidden, need_weight,
-    )
+    if main_grad is not None:
+        loss, logp, clipped, lower, kl, entropy = _MainGradLossFunction.apply(
+            hidden, lm_head_weight, target_ids, advantages, old_logprobs, ref_logprobs, mask, token_weight, cfg,
+            main_grad if need_weight else None)
+    else:
+        loss, logp, clipped, lower, kl, entropy, _, _ = linear_policy_loss_autograd(
+            hidden, lm_head_weight, target_ids, advantages, old_logprobs, ref_logprobs, mask, token_weight,
+            cfg.policy_loss, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.kl_coef,
+            cfg.entropy_coef, cfg.temperature, cfg.compute_entropy, need_hidden, need_weight,
+        )
     logp, clipped, lower, kl, entropy = (t.detach() for t in (logp, clipped, lower, kl, entropy))
     m = mask.to(torch.float32)
     active = m.sum().clamp(min=1)
@@ -532,6 +550,51 @@ def linear_policy_loss(hidden, lm_head_weight, target_ids, advantages, old_logpr
     if cfg.needs_entropy:
         metrics["entropy"] = mean(entropy)
     return loss, metrics
+
+
+class _MainGradLossFunction(torch.autograd.Function):
+    """The fp32 main-grad mode: the forward computes the statistics and per-token terms only (the loss,
+    logp and metric bits of the lean mode); the backward recomputes each logits piece, with the upstream
+    folded into the coefficients (g a_t, g b_t), forms dhidden, and adds dW into the caller's fp32
+    `main_grad` [V,H] in fixed token-chunk order (Megatron's main_grad): the weight gets no .grad, and
+    no [V,H] gradient in the weight's dtype nor fp32 scratch exists. Work: 4 GEMMs, as the lean mode;
+    not a torch custom op (torch.compile breaks the graph here)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target_ids, advantages, old_logprobs, ref_logprobs, mask, token_weight, cfg,
+                main_grad):
+        terms = _policy_terms(hidden, weight, target_ids, advantages, old_logprobs, ref_logprobs, mask,
+                              token_weight, cfg)
+        ctx.save_for_backward(terms["rows"], terms["w"], terms["targets"], terms["lse"],
+                              terms["mean_z"] if cfg.entropy_coef > 0 else None, terms["dlogp"], terms["dent"])
+        ctx.cfg, ctx.run_config, ctx.main_grad = cfg, terms["run_config"], main_grad
+        ctx.shapes = (hidden.shape, hidden.dtype)
+        lead = hidden.shape[:-1]
+        empty = terms["logp"].new_empty(0)
+        kl = terms["kl"].reshape(lead) if terms["kl"] is not None else empty.clone()
+        entropy = (terms["lse"] - terms["mean_z"]).reshape(lead) if cfg.needs_entropy else empty.clone()
+        outs = (terms["logp"].reshape(lead), terms["clipped"].reshape(lead), terms["clipped_lower"].reshape(lead),
+                kl, entropy)
+        ctx.mark_non_differentiable(*outs)
+        return (terms["loss"].sum(), *outs)
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        rows, w, targets, lse, mean_z, dlogp, dent = ctx.saved_tensors
+        hidden_shape, hidden_dtype = ctx.shapes
+        need_hidden = ctx.needs_input_grad[0]
+        main_grad = ctx.main_grad
+        grad_hidden = None
+        if rows.shape[0] and (need_hidden or main_grad is not None):
+            g = grad_loss.to(torch.float32)
+            bonus = ctx.cfg.entropy_coef > 0
+            grad_hidden, _ = _gradients(rows, w, targets, lse, mean_z, g * dlogp, g * dent if bonus else None,
+                                        1.0 / ctx.cfg.temperature, ctx.run_config, need_hidden,
+                                        main_grad is not None, main_grad=main_grad)
+        if need_hidden:
+            grad_hidden = (torch.zeros(hidden_shape, dtype=hidden_dtype, device=rows.device) if grad_hidden is None
+                           else grad_hidden.reshape(hidden_shape).to(hidden_dtype))
+        return grad_hidden, None, None, None, None, None, None, None, None, None
 
 
 class _TokenLossFunction(torch.autograd.Function):
