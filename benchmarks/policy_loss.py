@@ -7,6 +7,8 @@ old and reference logprobs near the current policy's, ~10% of tokens masked; DAP
 (0.2 / 0.28), k3 KL to the reference (coefficient 0.04), token-mean aggregation.
 Implementations, side by side in one run:
   triton        rl_engine.losses.linear_policy_loss (gradient in the forward; batch invariant)
+  triton_main_grad  the same in its fp32 main-grad mode: dL/dW added into a caller-held fp32 [V,H] buffer
+                (allocated before timing, so outside the peak; no bf16 dW is formed)
   eager_fp32    logits = hidden @ W^T (bf16), then the gold's loss on logits.float() - what users write
   compile_fp32  torch.compile(eager_fp32)
   liger         liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss(loss_type="bnpo") ("unavailable" if absent)
@@ -71,9 +73,22 @@ def eager_fp32(hidden, lm_head_weight, target_ids, advantages, old_logprobs, mas
     return policy_loss_from_logits(logits, target_ids, advantages, old_logprobs, mask, ref_logprobs, CFG)[0]
 
 
+_MAIN_GRAD = {}
+
+
+def _main_grad(weight):
+    """The caller's fp32 gradient buffer of the main-grad mode, one per weight shape (held across calls)."""
+    key = tuple(weight.shape)
+    if key not in _MAIN_GRAD:
+        _MAIN_GRAD.clear()
+        _MAIN_GRAD[key] = torch.zeros(key, dtype=torch.float32, device=weight.device)
+    return _MAIN_GRAD[key]
+
+
 def implementations(liger: bool = True) -> dict:
     impls = {
         "triton": lambda **x: linear_policy_loss(**x, **KNOBS)[0],
+        "triton_main_grad": lambda **x: linear_policy_loss(**x, **KNOBS, main_grad=_main_grad(x["lm_head_weight"]))[0],
         "eager_fp32": eager_fp32,
         "compile_fp32": torch.compile(eager_fp32),
     }
@@ -97,16 +112,16 @@ def run_one(fn, tokens, gold, reference, warmup, rep) -> dict:
     h = inputs["hidden"].requires_grad_()
     w = inputs["lm_head_weight"].requires_grad_()
 
-    def fwd_bwd():
-        return torch.autograd.grad(fn(**inputs), (h, w))
+    def fwd_bwd():  # allow_unused: the main-grad mode gives the weight no gradient (its buffer holds it)
+        return torch.autograd.grad(fn(**inputs), (h, w), allow_unused=True)
 
     loss = fn(**inputs)
-    dh, _ = torch.autograd.grad(loss, (h, w))
+    dh, dw = torch.autograd.grad(loss, (h, w), allow_unused=True)
     row = {"loss_abs_err": abs(float(loss) - gold[0]),
            "dhidden_max_abs_err": (dh.float() - gold[1]).abs().max().item()}
     row["fwd_bwd_ms"], row["fwd_bwd_x_gemm"] = paired_ratio(fwd_bwd, reference, warmup=warmup, rep=rep)
     row["fwd_bwd_extra_gb"] = peak_extra_bytes(fwd_bwd) / GB
-    grad_bytes = h.numel() * h.element_size() + w.numel() * w.element_size()
+    grad_bytes = h.numel() * h.element_size() + (0 if dw is None else w.numel() * w.element_size())
     row["fwd_bwd_work_gb"] = row["fwd_bwd_extra_gb"] - grad_bytes / GB
     row["work_pct_of_logits"] = 100 * row["fwd_bwd_work_gb"] * GB / (tokens * VOCAB * 2)
     return row

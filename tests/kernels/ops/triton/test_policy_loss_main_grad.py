@@ -102,3 +102,25 @@ def test_a_bad_main_grad_is_refused_by_name(bad, message):
     for backend in ("triton", "pytorch"):
         with pytest.raises(ValueError, match=f"main_grad: .*{message}"):
             linear_policy_loss(hidden, weight, *rest, backend=backend, main_grad=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy_loss", ["ppo", "gspo"])
+def test_main_grad_mode_on_the_gpu_has_the_lean_bits(policy_loss):
+    """The compiled kernels, past one GPU token chunk (4096): lean bits, and main_grad cast == lean dW."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, t, h, v = 5, 1000, 256, 3000
+    hidden = torch.randn(b, t, h, device="cuda", generator=g).to(torch.bfloat16)
+    weight = (torch.randn(v, h, device="cuda", generator=g) / 16).to(torch.bfloat16)
+    ids = torch.randint(0, v, (b, t), device="cuda", generator=g)
+    adv = torch.randn(b, device="cuda", generator=g)
+    old = -torch.rand(b, t, device="cuda", generator=g) * 3
+    runs = []
+    for buffer in (None, torch.zeros(v, h, device="cuda")):
+        x, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        loss, metrics = linear_policy_loss(x, w, ids, adv, old, None, None, policy_loss=policy_loss, main_grad=buffer)
+        loss.backward()
+        runs.append((loss.detach(), metrics, x.grad, w.grad if buffer is None else buffer.to(torch.bfloat16)))
+    (l1, m1, h1, w1), (l2, m2, h2, w2) = runs
+    assert torch.equal(l1, l2) and all(torch.equal(m1[k], m2[k]) for k in m1)
+    assert torch.equal(h1, h2) and torch.equal(w1, w2)
