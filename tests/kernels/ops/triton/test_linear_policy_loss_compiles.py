@@ -1,8 +1,9 @@
 """The interpreter runs code a GPU compiler refuses (e.g. a jit function reading a non-constexpr global):
 compile the policy-loss kernels that carry the gold's constants for sm_90, on the CPU (no GPU needed).
 
-The compile runs in a child process without TRITON_INTERPRET: Triton >= 3.7 reads that setting while it
-builds and imports, so a process that interprets cannot also compile."""
+The compile runs in a child process with TRITON_INTERPRET=0 (without CUDA the kernel package would otherwise
+choose the interpreter): Triton >= 3.7 reads that setting while it builds and imports, so a process that
+interprets cannot also compile."""
 
 import os
 import subprocess
@@ -32,7 +33,7 @@ def compile_all() -> None:
 
 
 def test_policy_loss_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = dict(os.environ, TRITON_INTERPRET="0")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     child = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
