@@ -4,7 +4,7 @@
     trainer = RLEngineGRPOTrainer(model, reward_funcs=..., args=GRPOConfig(...), train_dataset=...,
                                   profile="triton_bf16")
 
-What changes against TRL's GRPOTrainer (TRL >= 1.16, < 1.17; the hooks below are private to TRL and move
+What changes against TRL's GRPOTrainer (TRL >= 1.10, < 1.17; the hooks below are private to TRL and move
 between releases, so other versions are refused at import):
 - the policy model (and the reference model, when `beta` > 0) are patched in place by
   `rl_engine.integrations.transformers.patch` under `profile` (the same Parameters; TRL keeps training them);
@@ -53,8 +53,10 @@ try:
 except ImportError as exc:  # one line, naming what is missing
     raise ImportError(f"rl_engine.integrations.trl needs TRL (pip install 'rl_engine[trl]'): {exc}") from None
 
-TRL_VERSIONS = (">=1.16", "<1.17")  # the range pyproject's `trl` extra declares; tested: 1.16.0
-if not Version("1.16") <= Version(trl.__version__) < Version("1.17"):
+# The range pyproject's `trl` extra declares. Tested (tests/integrations/test_trl.py): 1.10.0, 1.12.0, 1.13.0,
+# 1.14.2, 1.15.0, 1.16.0; GRPOTrainer._compute_loss is the same from 1.10 to 1.16 (1.7's dapo normaliser differs).
+TRL_VERSIONS = (">=1.10", "<1.17")
+if not Version("1.10") <= Version(trl.__version__) < Version("1.17"):
     raise ImportError(f"rl_engine.integrations.trl supports TRL {','.join(TRL_VERSIONS)}, found {trl.__version__}")
 
 # TRL loss type -> the op's aggregation mode (the normaliser is set per call, as TRL's).
@@ -67,27 +69,31 @@ def check_args(args) -> None:
     if args.loss_type not in LOSS_TYPES:
         raise UsageError(f"GRPOConfig.loss_type={args.loss_type!r} is not supported by rl_engine "
                          f"(expected one of {sorted(LOSS_TYPES)})")
+    def get(name, default=None):  # a field an older TRL lacks has its off value
+        return getattr(args, name, default)
+
     refused = [
-        ("delta", args.delta is not None, "two-sided clipping"),
-        ("top_entropy_quantile", args.top_entropy_quantile < 1.0, "entropy masking"),
-        ("entropy_coef", args.entropy_coef != 0.0, "TRL's entropy bonus"),
-        ("use_adaptive_entropy", args.use_adaptive_entropy, "TRL's entropy controller"),
-        ("off_policy_mask_threshold", args.off_policy_mask_threshold is not None, "off-policy sequence masking"),
-        ("use_bias_correction_kl", args.use_bias_correction_kl and args.beta != 0.0, "the IS-corrected KL"),
-        ("use_vllm", args.use_vllm, "generation runs on rl_engine's RolloutEngine"),
-        ("use_transformers_continuous_batching", getattr(args, "use_transformers_continuous_batching", False),
+        ("delta", get("delta") is not None, "two-sided clipping"),
+        ("top_entropy_quantile", get("top_entropy_quantile", 1.0) < 1.0, "entropy masking"),
+        ("entropy_coef", get("entropy_coef", 0.0) != 0.0, "TRL's entropy bonus"),
+        ("use_adaptive_entropy", get("use_adaptive_entropy", False), "TRL's entropy controller"),
+        ("off_policy_mask_threshold", get("off_policy_mask_threshold") is not None, "off-policy sequence masking"),
+        ("use_bias_correction_kl", get("use_bias_correction_kl", False) and args.beta != 0.0,
+         "the IS-corrected KL"),
+        ("use_vllm", get("use_vllm", False), "generation runs on rl_engine's RolloutEngine"),
+        ("use_transformers_continuous_batching", get("use_transformers_continuous_batching", False),
          "generation runs on rl_engine's RolloutEngine"),
-        ("use_transformers_paged", getattr(args, "use_transformers_paged", False),
+        ("use_transformers_paged", get("use_transformers_paged", False),
          "generation runs on rl_engine's RolloutEngine"),
-        ("repetition_penalty", args.repetition_penalty != 1.0, "the rollout sampler has none"),
-        ("generation_kwargs", bool(args.generation_kwargs), "the rollout sampler takes GRPOConfig's fields only"),
-        ("max_tool_calling_iterations", args.max_tool_calling_iterations is not None, "tools"),
+        ("repetition_penalty", get("repetition_penalty", 1.0) != 1.0, "the rollout sampler has none"),
+        ("generation_kwargs", bool(get("generation_kwargs")), "the rollout sampler takes GRPOConfig's fields only"),
+        ("max_tool_calling_iterations", get("max_tool_calling_iterations") is not None, "tools"),
     ]
     for name, bad, why in refused:
         if bad:
-            raise UsageError(f"GRPOConfig.{name}={getattr(args, name)!r} is not supported by rl_engine ({why})")
-    if args.importance_sampling_level not in ("token", "sequence"):
-        raise UsageError(f"GRPOConfig.importance_sampling_level={args.importance_sampling_level!r}: expected "
+            raise UsageError(f"GRPOConfig.{name}={get(name)!r} is not supported by rl_engine ({why})")
+    if get("importance_sampling_level", "token") not in ("token", "sequence"):
+        raise UsageError(f"GRPOConfig.importance_sampling_level={get('importance_sampling_level')!r}: expected "
                          "'token' or 'sequence'")
 
 
@@ -206,7 +212,7 @@ class RLEngineGRPOTrainer(GRPOTrainer):
             raise UsageError(f"RLEngineGRPOTrainer: multimodal prompts ({sorted(fields)}) are not supported")
         a = self.args
         params = SamplingParams(temperature=a.temperature, top_k=a.top_k or 0, top_p=a.top_p, min_p=a.min_p or 0.0,
-                                max_new_tokens=a.max_completion_length, stop_token_ids=tuple(self.eos_token_ids),
+                                max_new_tokens=a.max_completion_length, stop_token_ids=self._stop_token_ids(model),
                                 seed=a.seed)
         requests = [Request(next(self._request_ids), tuple(int(t) for t in p), params) for p in prompt_ids]
         done = self._engine_for(model, state, requests).generate(requests)
@@ -214,6 +220,14 @@ class RLEngineGRPOTrainer(GRPOTrainer):
         return {"prompt_ids": [list(r.prompt_ids) for r in requests],
                 "completion_ids": [c.token_ids for c in out],
                 "logprobs": [c.logprobs.tolist() for c in out]}
+
+    def _stop_token_ids(self, model) -> tuple[int, ...]:
+        """TRL's stop tokens: its `eos_token_ids` (TRL >= 1.14), else the model's generation config's."""
+        ids = getattr(self, "eos_token_ids", None)
+        if ids is None:
+            ids = model.generation_config.eos_token_id
+            ids = [] if ids is None else [ids] if isinstance(ids, int) else ids
+        return tuple(int(i) for i in ids)
 
     def _engine_for(self, model, state, requests) -> RolloutEngine:
         """The RolloutEngine of the last call if it still reads the model's own tensors and has room, else a

@@ -129,3 +129,11 @@ def test_prepatched_model_kept_under_its_profile_refused_under_another_and_multi
     monkeypatch.setattr(accelerate.Accelerator, "num_processes", property(lambda self: 2))
     with pytest.raises(UsageError, match="one process only, got 2"):
         trainer("torch_bf16")
+
+
+def test_a_trl_outside_the_supported_range_is_refused_at_import():
+    import subprocess
+
+    code = "import trl; trl.__version__ = '1.7.1'; import rl_engine.integrations.trl"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode != 0 and "supports TRL >=1.10,<1.17, found 1.7.1" in out.stderr
