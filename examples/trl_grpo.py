@@ -61,8 +61,11 @@ def reward_a(completions, **kwargs) -> list[float]:
 
 
 def run(profile="triton_bf16", steps=2, beta=0.0, loss_type="dapo", generations=4, max_completion_length=4,
-        output_dir=None) -> list[dict]:
-    """TRL's log history of `steps` GRPO steps (one dict per logged step)."""
+        output_dir=None, device=None) -> list[dict]:
+    """TRL's log history of `steps` GRPO steps (one dict per logged step). device: "cpu" or "cuda" (default:
+    cuda when there is one and Triton is not interpreting)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     from datasets import Dataset
     from trl import GRPOConfig
 
@@ -75,7 +78,7 @@ def run(profile="triton_bf16", steps=2, beta=0.0, loss_type="dapo", generations=
         path = Path(tmp) / "tiny-qwen3"  # TRL builds the reference model (beta > 0) from the policy's path
         tiny_qwen3(len(tok)).save_pretrained(path)
         args = GRPOConfig(
-            output_dir=output_dir or str(Path(tmp) / "out"), use_cpu=True, max_steps=steps, logging_steps=1,
+            output_dir=output_dir or str(Path(tmp) / "out"), use_cpu=device == "cpu", max_steps=steps, logging_steps=1,
             per_device_train_batch_size=generations, num_generations=generations,
             max_completion_length=max_completion_length, learning_rate=1e-3, beta=beta, loss_type=loss_type,
             use_bias_correction_kl=False,  # verl's k3 KL term: the IS-weighted one is refused (rl_engine lacks it)
@@ -94,11 +97,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0: a patched reference model)")
     p.add_argument("--loss-type", default="dapo", help="TRL's loss_type: grpo, bnpo, dr_grpo or dapo")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     a = p.parse_args(argv)
     from rl_engine.errors import UsageError
 
     try:
-        logs = run(a.profile, a.steps, a.beta, a.loss_type)
+        logs = run(a.profile, a.steps, a.beta, a.loss_type, device=a.device)
     except UsageError as exc:
         print(f"trl_grpo: {exc}", file=sys.stderr)
         return 2
