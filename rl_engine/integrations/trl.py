@@ -195,7 +195,7 @@ class RLEngineGRPOTrainer(GRPOTrainer):
         if self.accelerator.num_processes > 1:  # the packed forwards call the unwrapped model: no DDP/FSDP hooks
             raise UsageError(f"RLEngineGRPOTrainer: one process only, got {self.accelerator.num_processes} "
                              "(DDP / FSDP / DeepSpeed are not supported yet)")
-        if self.aux_loss_enabled:
+        if getattr(self, "aux_loss_enabled", False):
             raise UsageError("RLEngineGRPOTrainer: MoE auxiliary losses are not supported by rl_engine")
         self.profile = profile
         for m in (self.model, self.ref_model):
