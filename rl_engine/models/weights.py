@@ -290,19 +290,18 @@ def load_hf_config(path) -> ModelConfig:
     return config_from_hf(read_hf_config(config_file), stem or "config", source=str(config_file))
 
 
-# config.json's torch_dtype (or dtype) -> the safetensors dtype its tensors must have
+# config.json's torch_dtype (or dtype) -> its safetensors dtype
 _SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
 def _config_dtype(hf: dict, source: str) -> tuple[str, ...]:
-    """The safetensors dtypes a checkpoint's tensors may have: the config's, or any of bf16/fp16/fp32."""
+    """The safetensors dtypes a checkpoint's tensors may have: bf16, fp16 or fp32, whatever config.json's torch_dtype
+    says (transformers loads a float checkpoint under another float torch_dtype by casting, and so do we); integer and
+    float8 tensors are quantised weights this loader would silently misread. An unknown torch_dtype is refused."""
     declared = hf.get("torch_dtype", hf.get("dtype"))
-    if declared is None:
-        return tuple(_SAFETENSORS_DTYPES.values())
-    declared = str(declared).removeprefix("torch.")
-    if declared not in _SAFETENSORS_DTYPES:
+    if declared is not None and str(declared).removeprefix("torch.") not in _SAFETENSORS_DTYPES:
         raise CheckpointError(f"{source}: torch_dtype {declared!r} is not one of {sorted(_SAFETENSORS_DTYPES)}")
-    return (_SAFETENSORS_DTYPES[declared],)
+    return tuple(_SAFETENSORS_DTYPES.values())
 
 
 def _read(f, name: str, shape, part, part_as: str | None = None) -> torch.Tensor:
@@ -321,8 +320,9 @@ def load_hf_checkpoint(path, config: ModelConfig, *, device="cpu", dtype=None, p
     A tensor the model does not use is refused rather than dropped (a bias would change the math),
     except the layers beyond a truncated config's depth. A tied model's file may still hold lm_head:
     transformers then ignores it, and so do we, but only when it equals the embedding bit for bit.
-    Every tensor has the dtype of config.json's torch_dtype (bf16, fp16 or fp32 when it has none) and
-    lives in one shard: a tensor in two files is refused (which copy wins would be the listing's order).
+    Every tensor is bf16, fp16 or fp32 (cast to `dtype` as transformers casts to torch_dtype; never an integer
+    or float8 tensor) and lives in one shard: a tensor in two files is refused (which copy wins would be the
+    listing's order).
     The per-expert tensors are returned stacked, one [E, ...] tensor per layer and role (weight_shapes).
     part(name, shape) -> index or None: read only that part of a tensor (a tensor-parallel rank's slice;
     safetensors reads the slice alone), shapes checked on the whole tensor first.
@@ -356,8 +356,8 @@ def load_hf_checkpoint(path, config: ModelConfig, *, device="cpu", dtype=None, p
                     seen[name] = file.name
                     found = f.get_slice(name).get_dtype()
                     if found not in dtypes:
-                        raise CheckpointError(f"{file}: tensor {name} has dtype {found}, the config's torch_dtype "
-                                              f"allows {'/'.join(dtypes)}")
+                        raise CheckpointError(f"{file}: tensor {name} has dtype {found}; the loader takes "
+                                              f"{'/'.join(dtypes)} (not quantised weights)")
                     if name in wanted:
                         t = _read(f, name, wanted[name], part)
                         weights[name] = t if dtype is None else t.to(dtype)

@@ -219,13 +219,13 @@ def test_a_broken_file_is_one_line_naming_it(tmp_path, capsys, name):
 # -- dtypes and shards (#56) --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype,found", [(torch.int32, "I32"), (torch.float8_e4m3fn, "F8_E4M3"),
-                                         (torch.float32, "F32")])
-def test_a_tensor_of_another_dtype_than_the_configs_is_refused(tmp_path, dtype, found):
+                                         (torch.float64, "F64")])
+def test_a_tensor_of_a_dtype_the_loader_would_misread_is_refused(tmp_path, dtype, found):
     weights = synthetic_weights(TINY, 0)
     name = "model.layers.0.mlp.up_proj.weight"
     weights[name] = weights[name].to(dtype)
     _checkpoint(tmp_path, json.dumps({**QWEN3_8B_CONFIG, **TINY_DIMS, "torch_dtype": "bfloat16"}), weights)
-    message = rf"tensor {name} has dtype {found}, the config's torch_dtype allows BF16"
+    message = rf"tensor {name} has dtype {found}; the loader takes BF16/F16/F32"
     with pytest.raises(CheckpointError, match=message):
         load_hf_checkpoint(tmp_path, TINY)
 
@@ -235,8 +235,18 @@ def test_without_a_config_dtype_a_non_float_tensor_is_still_refused(tmp_path):
     weights["model.norm.weight"] = weights["model.norm.weight"].to(torch.int32)
     config = {k: v for k, v in {**QWEN3_8B_CONFIG, **TINY_DIMS}.items() if k not in ("torch_dtype", "dtype")}
     _checkpoint(tmp_path, json.dumps(config), weights)
-    with pytest.raises(CheckpointError, match=r"model.norm.weight has dtype I32, .* allows BF16/F16/F32"):
+    with pytest.raises(CheckpointError, match=r"model.norm.weight has dtype I32; the loader takes BF16/F16/F32"):
         load_hf_checkpoint(tmp_path, TINY)
+
+
+def test_a_float_tensor_under_another_float_torch_dtype_loads_cast_as_transformers_does(tmp_path):
+    # the H200 gate's MoE test saves bf16 tensors under a config whose torch_dtype is float32
+    weights = synthetic_weights(TINY, 0)
+    name = "model.layers.0.mlp.up_proj.weight"
+    weights[name] = weights[name].to(torch.float32)
+    _checkpoint(tmp_path, json.dumps({**QWEN3_8B_CONFIG, **TINY_DIMS, "torch_dtype": "bfloat16"}), weights)
+    loaded = load_hf_checkpoint(tmp_path, TINY, dtype=torch.bfloat16)
+    assert torch.equal(loaded[name], weights[name].to(torch.bfloat16))
 
 
 def test_a_tensor_in_two_shards_is_refused(tmp_path):
