@@ -21,6 +21,13 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())
 
 
+def _search_working_directory() -> None:
+    """Find the user's own modules where `python -m` would: the console script's sys.path lacks the working
+    directory, so `--candidate my_kernels:my_logp` run beside my_kernels.py would not import. Searched last."""
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
+
+
 def split_path(path: str, what: str) -> tuple[str, str]:
     """(module, attribute) of a path; UsageError when either part is empty."""
     module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
@@ -40,6 +47,7 @@ def module_file(path: str) -> str | None:
     module = sys.modules.get(module_name)
     if module is not None:
         return getattr(module, "__file__", None)
+    _search_working_directory()
     parts = module_name.split(".")
     for entry in sys.path:
         base = os.path.join(entry or os.getcwd(), *parts)
@@ -52,6 +60,7 @@ def module_file(path: str) -> str | None:
 def load_object(path: str, what: str):
     """The object `path` names; `what` ("candidate", "provider", ...) starts every error message."""
     module_name, attr = split_path(path, what)
+    _search_working_directory()
     try:
         module = importlib.import_module(module_name)
     except KeyboardInterrupt:

@@ -42,3 +42,16 @@ def test_an_exported_choice_wins_and_the_check_sees_it():
     # Planted: the user's own TRITON_INTERPRET=0 is kept, so the same script fails on a CPU: the test above
     # would catch a library that stopped choosing the interpreter.
     assert _run({"TRITON_INTERPRET": "0"}).returncode != 0
+
+
+def test_a_candidate_module_in_the_working_directory_imports_from_the_console_script(tmp_path):
+    # The console script's sys.path lacks the working directory (python -m would add it, so run the script itself).
+    (tmp_path / "my_kernels.py").write_text(
+        "import torch\n\ndef my_logp(logits, target_ids, **kw):\n"
+        "    return torch.log_softmax(logits.float(), -1).gather(-1, target_ids[..., None])[..., 0]\n")
+    script = os.path.join(os.path.dirname(sys.executable), "rl-engine")
+    result = subprocess.run([script, "check-op", "--op", "logp", "--candidate", "my_kernels:my_logp", "--device", "cpu",
+                             "--dtype", "fp32", "--batch", "1", "--seq", "2", "--vocab", "17"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "candidate=my_kernels:my_logp backend=external passed=True" in result.stdout
