@@ -15,6 +15,7 @@ import torch
 from common import arg_parser, bench_ms, parse_gpu_args, print_table, write_json
 
 from rl_engine.kernels.ops.triton.sampling.sampler import _sample_kernel, sample_tokens
+from rl_engine.rollout.decode_graph import capture_graph
 from rl_engine.rollout.sampling import SamplingParams, sample_reference, sampling_tensors
 
 VOCAB = 151936
@@ -24,26 +25,13 @@ PARAM_SETS = {
 }
 
 
-def graphed(fn):
-    """fn replayed from a CUDA graph (the kernel reads only device tensors, so it captures)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def measure_row(name: str, logits, params, ids, positions) -> dict:
     tensors = sampling_tensors(params, ids, positions, "cuda")
     kernel = sample_tokens(logits, *tensors)
     reference = sample_reference(logits, params, ids, positions)
     row = {"params": name, "batch": logits.shape[0],
            "kernel_ms": bench_ms(lambda: sample_tokens(logits, *tensors)),
-           "kernel_graph_ms": bench_ms(graphed(lambda: sample_tokens(logits, *tensors))),
+           "kernel_graph_ms": bench_ms(capture_graph(lambda: sample_tokens(logits, *tensors)).replay),
            "torch_loop_ms": bench_ms(lambda: sample_reference(logits, params, ids, positions), warmup=2, rep=20),
            "tokens_differ": int((kernel != reference).sum())}
     row["speedup"] = row["torch_loop_ms"] / row["kernel_ms"]

@@ -56,7 +56,7 @@ class _Step:
         self.raw = self.model.selected_logprobs(self.hidden, self.targets)[:, 0]
 
 
-def _capture(fn, pool):
+def capture_graph(fn, pool=None) -> torch.cuda.CUDAGraph:
     """Warm up on a side stream (compiles kernels, fills the caches, computes this step), then capture."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -101,7 +101,7 @@ class DecodeGraphs:
             step.run_forward()
         else:  # capture swaps in the graph's own output tensors: replay fills them
             if new:
-                step.forward_graph = _capture(step.run_forward, self.pool)
+                step.forward_graph = capture_graph(step.run_forward, self.pool)
             step.forward_graph.replay()
         self._step = step
         return step.hidden[:n], step.logits[:n]
@@ -114,6 +114,6 @@ class DecodeGraphs:
             step.run_logprobs()
         else:
             if step.logprob_graph is None:
-                step.logprob_graph = _capture(step.run_logprobs, self.pool)
+                step.logprob_graph = capture_graph(step.run_logprobs, self.pool)
             step.logprob_graph.replay()
         return step.raw[:n]
