@@ -133,7 +133,7 @@ def _stats_partials_kernel(
         # an id outside [0, V) has no logit: NaN (stored by the first vocabulary tile), never a stale value
         out_of_range = (target < 0) | (target >= V)
         picked = tl.where(out_of_range, float("nan"), picked)
-        tl.store(target_logit_ptr + rows, picked, mask=row_ok & (in_tile | (out_of_range & (tile_v == 0))))
+        tl.store(target_logit_ptr + rows, picked, mask=row_ok & (in_tile | (out_of_range & (target * 0 + tile_v == 0))))
 
 
 @triton.jit
