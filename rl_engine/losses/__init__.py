@@ -46,10 +46,16 @@ def linear_policy_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targe
     loss and its gradients NaN, never a clamped finite number. kl_coef, entropy_coef and temperature
     must be finite (ValueError), a number `normalizer` finite and > 0.
 
-    Weight-gradient modes, with the same loss, logp and metric bits: lean (the default), the gradient
-    in lm_head_weight's dtype; fp32 main-grad, when `main_grad` (a contiguous fp32 [V,H] tensor on the
-    weight's device) is given or the weight carries `.main_grad` (Megatron): backward adds dL/dW into
-    it (main_grad += dW, fp32, token chunks in a fixed order) and lm_head_weight gets no .grad.
+    Weight-gradient modes, with the same loss, logp and metric bits: lean (the default, 4 GEMMs of work),
+    the gradient in lm_head_weight's dtype; fp32 main-grad (3 GEMMs), when `main_grad` (a contiguous fp32
+    [V,H] tensor on the weight's device) is given or the weight carries `.main_grad` (Megatron), and the
+    weight needs a gradient: dL/dW is added into it (main_grad += dW, fp32, token chunks in a fixed order)
+    and lm_head_weight gets no .grad. The Triton backend adds it during the forward, for an upstream of 1
+    (`loss.backward()`, or the loss entering a sum with coefficient 1); backward adds (g - 1) dW for
+    another upstream g, with a second pass. So one backward per forward: a loss that is never
+    backpropagated, or recomputed by activation checkpointing, has still added its dW. GSPO runs 4 GEMMs
+    in this mode too (its sequence ratio needs every logp first). The "pytorch" backend adds the gold's
+    gradient in backward. docs/kernels.md compares the modes (work, memory).
     """
     cfg = PolicyLossConfig(policy_loss=policy_loss, clip_ratio_low=clip_ratio_low,
                            clip_ratio_high=clip_ratio_low if clip_ratio_high is None else clip_ratio_high,

@@ -41,7 +41,8 @@ _ALIGNED = {"Q", "K", "V", "O", "LSE", "PM", "PL", "PACC", "SEQ_INFO", "DO", "DE
             "stride_dn", "stride_ak", "stride_bk", "M",
             "stride_qr", "stride_qh", "stride_kr", "stride_kh", "stride_or", "stride_oh", "stride_lr",
             "a_ptr", "w_ptr", "c_ptr", "g_ptr", "dw_ptr", "tiles_ptr", "starts_ptr", "N",  # "K" is above
-            "stride_am", "stride_we", "stride_wn", "stride_wk", "stride_cm", "stride_gm", "stride_de"}
+            "stride_am", "stride_we", "stride_wn", "stride_wk", "stride_cm", "stride_gm", "stride_de",
+            "e_ptr", "mean_z_ptr", "part_ptr", "stride_en"}
 # Launches also specialise integer arguments equal to 1 as constants: the unit strides of row-major operands.
 _UNIT_STRIDES = {"stride_ak", "stride_wk", "stride_cn", "stride_gn", "stride_dk"}
 
@@ -177,13 +178,17 @@ def compile_matmul(variant: str):
     return _compile(mm._matmul_tma_kernel, constants, types, cfg.num_warps, stages)
 
 
-LINEAR_LOGP_KERNELS = ("partials", "combine", "dlogits", "dh", "dw", "policy_stats", "policy_dlogits")
+LINEAR_LOGP_KERNELS = ("partials", "combine", "dlogits", "dh", "dw", "policy_stats", "policy_dlogits",
+                       "policy_stats_e", "policy_dlogits_e", "policy_dx_split", "policy_dx_sum")
+# Elementwise kernels whose fp32 build differs from the bf16 one only in pointer types: compiled in bf16 alone.
+LINEAR_LOGP_BF16_ONLY = ("policy_dlogits_e", "policy_dx_sum")
 
 
 def compile_linear_logp(kind: str, dtype: torch.dtype):
     """linear_logp's kernels at its GPU configuration (Qwen3-8B: V = 151936, H = 4096): the forward's
     logits partials and combine, the backward's logits recompute and its two gradient GEMMs; and the
-    fused policy loss's statistics and gradient-logits kernels (with the entropy terms: their largest)."""
+    fused policy loss's statistics and gradient-logits kernels (with the entropy terms: their largest),
+    and its fp32 main-grad mode's: the statistics storing e, dlogits from e, the split dhidden GEMM and its sum."""
     from rl_engine.kernels.ops.triton.loss import linear_logp as ll
     from rl_engine.kernels.ops.triton.loss import linear_policy_loss as pl
 
@@ -202,17 +207,39 @@ def compile_linear_logp(kind: str, dtype: torch.dtype):
             return "*i64"
         if name == "inv_temp":
             return "fp32"
-        if kind.startswith("policy") and name != "dlogits_ptr" and name.endswith("_ptr"):
+        if name == "e_ptr":  # e is bf16 beside 16-bit inputs, fp32 beside fp32 ones
+            return element
+        if kind.startswith("policy") and name not in ("dlogits_ptr", "out_ptr") and name.endswith("_ptr"):
             return "*fp32"
         if name in fp32_ptrs:
             return "*fp32"
         return element if name.endswith("_ptr") else "i32"
 
     warps, stages = cfg["num_warps"], cfg["num_stages"]
-    if kind == "policy_stats":
-        return _compile(pl._stats_partials_kernel, dict(tiles, ENTROPY=True), types, warps, stages)
+    if kind in ("policy_stats", "policy_stats_e"):
+        return _compile(pl._stats_partials_kernel, dict(tiles, ENTROPY=True, STORE_E=kind == "policy_stats_e"),
+                        types, warps, stages)
     if kind == "policy_dlogits":
         return _compile(pl._policy_dlogits_kernel, dict(tiles, ENTROPY_BONUS=True), types, warps, stages)
+    main_grad = pl.config(dtype, "gpu")
+    if kind == "policy_dlogits_e":
+        return _compile(pl._dlogits_from_e_kernel, dict(ENTROPY_BONUS=True, BLOCK_R=main_grad["E_BLOCK_R"],
+                                                         BLOCK_V=cfg["BLOCK_V"]), types, 4, 1)
+    if kind == "policy_dx_sum":
+        return _compile(pl._split_k_sum_kernel, dict(SPLITS=main_grad["SPLIT_K"], BLOCK=1024), types, 4, 1)
+    if kind == "policy_dx_split":
+        dx = main_grad["DX"]
+        tma = dtype != torch.float32  # what gemm_descriptors decides for the row-major dlogits and weight
+        dx_blocks = {"a_desc": [dx["BLOCK_M"], dx["BLOCK_K"]], "b_desc": [dx["BLOCK_K"], dx["BLOCK_N"]]}
+        constants = dict(BLOCK_M=dx["BLOCK_M"], BLOCK_N=dx["BLOCK_N"], BLOCK_K=dx["BLOCK_K"], GROUP=dx["GROUP"],
+                         DOT_FP32=False, INPUT_PRECISION=precision, TMA=tma, stride_ak=1, stride_bn=1)
+
+        def dx_types(name: str) -> str:
+            if name in dx_blocks:
+                return f"tensordesc<{element[1:]}[{dx_blocks[name][0]}, {dx_blocks[name][1]}]>" if tma else element
+            return "*fp32" if name == "part_ptr" else element if name.endswith("_ptr") else "i32"
+
+        return _compile(pl._split_k_kernel, constants, dx_types, dx["num_warps"], dx["num_stages"])
     if kind == "combine":
         return _compile(ll._combine_kernel, {"BLOCK": 2048}, types, 4, 1)
     if kind in ("partials", "dlogits"):
@@ -376,7 +403,8 @@ def main(argv=None) -> int:
             for kind in ("matmul", "matmul_w_along_n", "weight_grad"):
                 record(f"grouped_{kind}/{name}", functools.partial(compile_grouped_matmul, kind, dtype))
             for kind in LINEAR_LOGP_KERNELS:
-                record(f"linear_logp_{kind}/{name}", functools.partial(compile_linear_logp, kind, dtype))
+                if name == "bf16" or kind not in LINEAR_LOGP_BF16_ONLY:
+                    record(f"linear_logp_{kind}/{name}", functools.partial(compile_linear_logp, kind, dtype))
         for kind in MOE_KERNELS:
             record(f"moe_{kind}/bf16", functools.partial(compile_moe, kind))
         for variant in MATMUL_VARIANTS:

@@ -41,17 +41,41 @@ at all for loss.backward()) and asks for no zero-filled upstreams of the other o
 2026-12-01 a second [V,H] gradient and a zero [V,H] upstream were the bulk of the measured work memory.
 Work: the logits GEMM runs twice (statistics, then recompute for the gradient) plus the two
 gradient GEMMs: 4 GEMMs of work. Three would need the logits of a token chunk kept until its lse is
-known ([TOKEN_CHUNK, V]) or dW accumulated in fp32 across token chunks ([V, H] fp32): both far above
-the memory goal. H200, N = 4096 / 8192, H = 4096, V = 151936: 4.38x / 4.51x a cuBLAS GEMM of the
-logits' shape, 67 / 168 MB working memory (benchmarks/results/policy_loss.json).
+known ([TOKEN_CHUNK, V]) and dW accumulated in fp32 across token chunks ([V, H] fp32): the second is
+far above the memory goal unless the caller holds it (the main-grad mode below). H200, N = 4096 / 8192,
+H = 4096, V = 151936: 4.38x / 4.51x a cuBLAS GEMM of the logits' shape, 67 / 168 MB working memory
+(benchmarks/results/policy_loss.json).
 
-fp32 main-grad mode (`main_grad=`, `_MainGradLossFunction`): the forward runs passes 1-3 only; the backward
-runs pass 4 with the upstream folded into a_t, b_t, and dW goes into the caller's fp32 [V,H] buffer
-(main_grad += dlogits^T @ hidden, token chunks in order, no scratch, no weight-dtype gradient). Same
-loss, logp and metric bits; the same 4 GEMMs of work (the 3-GEMM form is not built).
+fp32 main-grad mode (`main_grad=`, `_MainGradLossFunction`, issue 55): 3 GEMMs. The caller holds an fp32
+[V,H] buffer (Megatron's main_grad); the forward walks the tokens in chunks of C = BLOCK_T * max(1,
+N // (CHUNKS * BLOCK_T)) rows, first to last (`_main_grad_pass`), and per chunk:
+  1. `_stats_partials_kernel` with STORE_E: the logits tiles, once, with pass 1's bits, and beside the
+     partials e = exp(z - m) per element (m the tile's max; bf16, fp32 for fp32 inputs) into a [C, V] buffer;
+  2. `_stats_combine_kernel` and `_token_terms_kernel` on the chunk's rows: pass 1 and 3's kernels, so
+     the same logp, lse, E[z], loss, a_t, b_t, clip and KL bits as the lean mode (per row or elementwise);
+  3. `_dlogits_from_e_kernel`: p = e exp(m - lse), z = m + log e (entropy bonus only), then pass 4's
+     formula, written over e in place (one element size);
+  4. dhidden[chunk] = dlogits @ W (`_split_k_kernel`: SPLIT_K fp32 slices of the vocabulary, k_split
+     fixed by V alone; `_split_k_sum_kernel` adds them in order and rounds once): a row's bits never
+     depend on C, so on N;
+  5. main_grad += dlogits^T @ hidden[chunk] (`_matmul_kernel`, fp32, accumulating): dW's sum over token
+     chunks in their fixed order (deterministic; like any dW, a function of the whole batch).
+GEMMs: logits, dhidden, dW, each once. GSPO's ratio needs a sequence's every logp before a chunk's a_t:
+it runs the lean statistics first, then the chunk pass (4 GEMMs, as the lean mode). Working memory
+(`main_grad_buffers`): C x V elements of e/dlogits + SPLIT_K x C x H fp32 + the chunk's partials
+3 x C x V / BLOCK_V fp32 + 9 N fp32; with C <= N / 32 (bf16, from N = 4096 up) that is <= 1/64 of the
+fp32 logits N x V x 4 for e plus < 0.2% for the rest: 1.8% at N = 4096 and 8192, H = 4096, V = 151936.
+The cost the 2% buys: main_grad is read and written once per chunk (8 V H bytes, ~32 times: about
+160 GB at Qwen3's V and H whatever N), a memory-bound dW GEMM with K = C (untimed here; see
+benchmarks/policy_loss.py). The forward adds dW for an upstream of 1; backward scales dhidden in place,
+and an upstream g != 1 (one host read) costs a second pass adding (g - 1) dW (logits and dW GEMMs
+again). So a forward whose loss never gets a backward (or is recomputed by activation checkpointing)
+still adds its dW: one backward per forward.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -70,15 +94,19 @@ from rl_engine.kernels.ops.pytorch.loss.linear_policy_loss import (
     validate_policy_inputs,
 )
 from rl_engine.kernels.ops.triton.loss.linear_logp import (
+    _GPU_CONFIGS,
+    _INTERPRETER_CONFIG,
+    _dot_options,
+    _gemm,
     _grouped_tile,
     _logits_tile,
     _matmul,
     _tile_options,
     backward_chunk,
+    gemm_descriptors,
     num_programs,
     tma_descriptor,
 )
-from rl_engine.kernels.ops.triton.loss.linear_logp import config as _linear_logp_config
 from rl_engine.kernels.ops.triton.loss.logp import LOG2E, exp2_ftz
 from rl_engine.kernels.ops.triton.runtime import cast_rne, check_devices, interpreting, register_autograd
 
@@ -92,20 +120,41 @@ _GSPO_MAX = tl.constexpr(GSPO_LOG_RATIO_MAX)
 _KL_CLAMP = tl.constexpr(KL_CLAMP)
 
 
-def config(dtype: torch.dtype) -> dict:
-    """linear_logp's tiles and vocabulary chunk, with this op's token chunk and sequence lanes."""
-    key = "interpreter" if interpreting() else "gpu"
-    return dict(_linear_logp_config(dtype), TOKEN_CHUNK=TOKEN_CHUNK[key], SEQ_BLOCK=SEQ_BLOCK[key])
+# The fp32 main-grad mode's constants (3 GEMMs; see the module doc). Its token chunk has
+# BLOCK_T * max(1, N // (CHUNKS * BLOCK_T)) rows: N / CHUNKS at most from N = CHUNKS * BLOCK_T tokens up, so
+# the chunk's e buffer (2 bytes an element, 4 in fp32: CHUNKS doubles) is at most 1/64 of the fp32 logits.
+# No per-token bit depends on the chunk (every tile, K order and fold is fixed per dtype), only the order
+# in which dW's token chunks are added. DX: the chunk's dhidden GEMM, split SPLIT_K ways along the vocabulary
+# (a fixed k_split from V alone) so that a short chunk still fills the GPU; E_BLOCK_R: rows per program of
+# the dlogits pass. Untuned on the GPU (benchmarks/policy_loss.py times the mode).
+MAIN_GRAD = {
+    "16bit": dict(CHUNKS=32, DX=_gemm(64, 128, 64, 4, 4), SPLIT_K=2, E_BLOCK_R=16),
+    "fp32": dict(CHUNKS=64, DX=_gemm(64, 64, 32, 4, 2), SPLIT_K=2, E_BLOCK_R=16),
+    "interpreter": dict(CHUNKS=2, DX=_gemm(16, 16, 16, 1, 1, group=2), SPLIT_K=2, E_BLOCK_R=8),
+}
+
+
+def config(dtype: torch.dtype, target: str | None = None) -> dict:
+    """linear_logp's tiles and vocabulary chunk, with this op's token chunk, sequence lanes and main-grad
+    constants; target "gpu" or "interpreter" (default: the one in use)."""
+    key = target or ("interpreter" if interpreting() else "gpu")
+    if key == "interpreter":
+        return dict(_INTERPRETER_CONFIG, TOKEN_CHUNK=TOKEN_CHUNK[key], SEQ_BLOCK=SEQ_BLOCK[key], **MAIN_GRAD[key])
+    kind = "fp32" if dtype == torch.float32 else "16bit"
+    return dict(_GPU_CONFIGS[kind], TOKEN_CHUNK=TOKEN_CHUNK[key], SEQ_BLOCK=SEQ_BLOCK[key], **MAIN_GRAD[kind])
 
 
 @triton.jit(do_not_specialize=["N"])
 def _stats_partials_kernel(
-    h_desc, w_desc, target_ptr, part_max_ptr, part_sum_ptr, part_zsum_ptr, target_logit_ptr,
-    N, V, H, inv_temp, num_vtiles,
-    ENTROPY: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    GROUP: tl.constexpr, NUM_PROGRAMS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    h_desc, w_desc, target_ptr, part_max_ptr, part_sum_ptr, part_zsum_ptr, target_logit_ptr, e_ptr,
+    N, V, H, inv_temp, num_vtiles, stride_en,
+    ENTROPY: tl.constexpr, STORE_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr, GROUP: tl.constexpr, NUM_PROGRAMS: tl.constexpr, DOT_FP32: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):
     # Persistent over the tiles, as linear_logp's partials (same logits tiles, same K order).
+    # STORE_E (the main-grad mode): also e = exp(z - tile max) per element, rounded to e_ptr's dtype, which
+    # `_dlogits_from_e_kernel` turns into dlogits once the row's lse is known. It changes no other value.
     num_ttiles = tl.cdiv(N, BLOCK_T)
     tile_id_c = tl.program_id(0) - NUM_PROGRAMS
     for tile_id in tl.range(tl.program_id(0), num_ttiles * num_vtiles, NUM_PROGRAMS, flatten=True):
@@ -127,6 +176,9 @@ def _stats_partials_kernel(
         tl.store(part_sum_ptr + at, tl.sum(e, axis=1), mask=row_ok)
         if ENTROPY:
             tl.store(part_zsum_ptr + at, tl.sum(tl.where(valid, e * z_finite, 0.0), axis=1), mask=row_ok)
+        if STORE_E:
+            e_ptrs = e_ptr + rows.to(tl.int64)[:, None] * stride_en + cols[None, :]
+            tl.store(e_ptrs, cast_rne(e, e_ptr.dtype.element_ty), mask=row_ok[:, None] & valid)
         target = tl.load(target_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
         in_tile = (target >= tile_v * BLOCK_V) & (target < tile_v * BLOCK_V + BLOCK_V) & (target < V)
         picked = tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
@@ -279,6 +331,88 @@ def _policy_dlogits_kernel(
                  mask=row_ok[:, None] & (cols < v_stop)[None, :])
 
 
+
+@triton.jit
+def _dlogits_from_e_kernel(
+    e_ptr, dlogits_ptr, part_max_ptr, target_ptr, lse_ptr, mean_z_ptr, a_ptr, b_ptr,
+    N, V, stride_dn, num_vtiles, inv_temp,
+    ENTROPY_BONUS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    # The main-grad mode's dlogits from the stored e = exp(z - m) (m: the statistics tile's max, one per
+    # row and BLOCK_V columns): p = e exp(m - lse), z = m + log e (the entropy term only), then the lean
+    # mode's formula. In place: e_ptr and dlogits_ptr may be one buffer (elements of one size), each
+    # element read and written by the same program.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    tile_v = tl.program_id(1)
+    cols = tile_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = rows < N
+    ok = row_ok[:, None] & (cols < V)[None, :]
+    at = rows.to(tl.int64)[:, None] * stride_dn + cols[None, :]
+    e = tl.load(e_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    m = tl.load(part_max_ptr + rows.to(tl.int64) * num_vtiles + tile_v, mask=row_ok, other=0.0)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    a = tl.load(a_ptr + rows, mask=row_ok, other=0.0)
+    target = tl.load(target_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
+    p = e * exp2_ftz((m - lse) * LOG2E)[:, None]
+    onehot = tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
+    if ENTROPY_BONUS:
+        b = tl.load(b_ptr + rows, mask=row_ok, other=0.0)
+        mean_z = tl.load(mean_z_ptr + rows, mask=row_ok, other=0.0)
+        z = m[:, None] + tl.log(tl.where(e > 0, e, 1.0))  # e = 0 (flushed): p = 0, the term is 0
+        dz = a[:, None] * onehot - tl.where(e > 0, p * (a[:, None] + b[:, None] * (z - mean_z[:, None])), 0.0)
+    else:
+        dz = a[:, None] * (onehot - p)
+    tl.store(dlogits_ptr + at, cast_rne(dz * inv_temp, dlogits_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _split_k_kernel(
+    a_ptr, b_ptr, part_ptr, a_desc, b_desc, M, N, K, k_split,
+    stride_am, stride_ak, stride_bk, stride_bn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+):
+    # part[s] = A[:, K slice s] @ B[K slice s, :] in fp32, slice s = [s k_split, (s + 1) k_split): the main-grad
+    # mode's dhidden of one token chunk, whose K (the vocabulary) is long and M (the chunk's tokens) short.
+    # k_split is a multiple of BLOCK_K fixed by V alone, so a row's bits never depend on M.
+    tile_m, tile_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
+    split = tl.program_id(1)
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    col_ok = cols < N
+    k0 = split * k_split
+    k1 = tl.minimum(K, k0 + k_split)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(k0, k1, BLOCK_K):
+        if TMA:  # past K the descriptors load zeros
+            a = a_desc.load([tile_m * BLOCK_M, k])
+            b = b_desc.load([k, tile_n * BLOCK_N])
+        else:
+            k_ok = offs_k < k1 - k
+            a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * stride_am + (k + offs_k).to(tl.int64)[None, :] * stride_ak,
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptr + (k + offs_k).to(tl.int64)[:, None] * stride_bk + cols[None, :] * stride_bn,
+                        mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    out = part_ptr + split.to(tl.int64) * M * N + rows.to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _split_k_sum_kernel(part_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    # out = part[0] + part[1] + ... in slice order, fp32, rounded once to out's dtype.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(part_ptr + s * numel + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, cast_rne(acc, out_ptr.dtype.element_ty), mask=ok)
+
 def _statistics(rows, w, targets, inv_temp, entropy, cfg):
     """(logp, lse, E[z] or None) per token, fp32, token chunk by token chunk."""
     n, h = rows.shape
@@ -300,8 +434,8 @@ def _statistics(rows, w, targets, inv_temp, entropy, cfg):
         tiles = triton.cdiv(m, cfg["BLOCK_T"]) * num_vtiles
         _stats_partials_kernel[(min(programs, tiles),)](
             tma_descriptor(rows[t0:t1], [cfg["BLOCK_T"], cfg["BLOCK_H"]]), w_desc, targets[t0:t1],
-            part_max, part_sum, part_zsum, target_logit, m, v, h, inv_temp, num_vtiles,
-            ENTROPY=entropy, NUM_PROGRAMS=programs, **_tile_options(cfg, rows.dtype),
+            part_max, part_sum, part_zsum, target_logit, part_max, m, v, h, inv_temp, num_vtiles, 0,
+            ENTROPY=entropy, STORE_E=False, NUM_PROGRAMS=programs, **_tile_options(cfg, rows.dtype),
         )
         _stats_combine_kernel[(m,)](
             part_max, part_sum, part_zsum, target_logit, logp[t0:t1], lse[t0:t1], mean_z[t0:t1], num_vtiles,
@@ -310,11 +444,8 @@ def _statistics(rows, w, targets, inv_temp, entropy, cfg):
     return logp, lse, (mean_z if entropy else None)
 
 
-def _gradients(rows, w, targets, lse, mean_z, a, b, inv_temp, cfg, need_hidden, need_weight, main_grad=None):
-    """fp32 dhidden [N,H] and dW [V,H] (weight dtype) for per-token coefficients a = dL/dlogp, b = dL/dH.
-
-    main_grad: an fp32 [V,H] buffer dW is added into (main_grad += dW, token chunks in order), returned
-    in place of dW: no weight-dtype gradient and no scratch."""
+def _gradients(rows, w, targets, lse, mean_z, a, b, inv_temp, cfg, need_hidden, need_weight):
+    """fp32 dhidden [N,H] and dW [V,H] (weight dtype) for per-token coefficients a = dL/dlogp, b = dL/dH."""
     n, h = rows.shape
     v = w.shape[0]
     tc = cfg["TOKEN_CHUNK"]
@@ -322,10 +453,10 @@ def _gradients(rows, w, targets, lse, mean_z, a, b, inv_temp, cfg, need_hidden, 
     bonus = b is not None
     dlogits = torch.empty(min(tc, n), min(vc, v), dtype=rows.dtype, device=rows.device)
     grad_hidden = torch.zeros(n, h, dtype=torch.float32, device=rows.device) if need_hidden else None
-    grad_weight = torch.empty_like(w) if need_weight and main_grad is None else None
+    grad_weight = torch.empty_like(w) if need_weight else None
     # dW sums over token chunks in fp32, in chunk order; fp32 weights accumulate in place.
     scratch = None
-    if need_weight and main_grad is None and w.dtype != torch.float32 and n > tc:  # one chunk: one rounding
+    if need_weight and w.dtype != torch.float32 and n > tc:  # one chunk: one rounding
         scratch = torch.empty(min(vc, v), h, dtype=torch.float32, device=rows.device)
     w_desc = tma_descriptor(w, [cfg["BLOCK_V"], cfg["BLOCK_H"]])
     h_descs = [tma_descriptor(rows[t0:t0 + tc], [cfg["BLOCK_T"], cfg["BLOCK_H"]]) for t0 in range(0, n, tc)]
@@ -334,8 +465,7 @@ def _gradients(rows, w, targets, lse, mean_z, a, b, inv_temp, cfg, need_hidden, 
         v1 = min(v0 + vc, v)
         dw = None
         if need_weight:
-            dw = main_grad if main_grad is not None else grad_weight if scratch is None else None
-            dw = dw[v0:v1] if dw is not None else scratch[: v1 - v0]
+            dw = grad_weight[v0:v1] if scratch is None else scratch[: v1 - v0]
         for t0 in range(0, n, tc):
             t1 = min(t0 + tc, n)
             d = dlogits[: t1 - t0, : v1 - v0]
@@ -348,17 +478,20 @@ def _gradients(rows, w, targets, lse, mean_z, a, b, inv_temp, cfg, need_hidden, 
             if need_hidden:
                 _matmul(d, w[v0:v1], grad_hidden[t0:t1], accumulate=v0 > 0, gemm=cfg["DH"])
             if need_weight:
-                _matmul(d.t(), rows[t0:t1], dw, accumulate=t0 > 0 or main_grad is not None, gemm=cfg["DW"])
+                _matmul(d.t(), rows[t0:t1], dw, accumulate=t0 > 0, gemm=cfg["DW"])
         if scratch is not None:
             grad_weight[v0:v1].copy_(dw)  # one round-to-nearest-even cast per element
-    return grad_hidden, (main_grad if main_grad is not None else grad_weight)
+    return grad_hidden, grad_weight
 
 
-def _token_terms(logp, lse, mean_z, old, ref, adv, weight, seq, cfg: PolicyLossConfig) -> dict:
+def _token_terms(logp, lse, mean_z, old, ref, adv, weight, seq, cfg: PolicyLossConfig, out=None) -> dict:
+    """Per-token terms (elementwise: the same bits for a token whatever slice of the batch it is run in);
+    `out`: the arrays to write (contiguous [n] views), else new ones."""
     n = logp.shape[0]
-    out = {k: torch.empty(n, dtype=torch.float32, device=logp.device)
-           for k in ("loss", "dlogp", "dent", "clipped", "clipped_lower")}
-    out["kl"] = torch.empty(n, dtype=torch.float32, device=logp.device) if ref is not None else None
+    if out is None:
+        out = {k: torch.empty(n, dtype=torch.float32, device=logp.device)
+               for k in ("loss", "dlogp", "dent", "clipped", "clipped_lower")}
+        out["kl"] = torch.empty(n, dtype=torch.float32, device=logp.device) if ref is not None else None
     bonus = cfg.entropy_coef > 0
     block = 16 if interpreting() else 1024
     if n == 0:
@@ -508,8 +641,8 @@ def linear_policy_loss(hidden, lm_head_weight, target_ids, advantages, old_logpr
     Non-finite inputs (as the gold): an id outside [0, V) is a ValueError on the CPU; on a GPU (no host read)
     it makes the token's logp NaN, so the loss, its gradients and the metrics are NaN. A NaN or ±inf old or
     reference logprob makes the loss and gradients NaN.
-    main_grad: the fp32 main-grad mode (`_MainGradLossFunction`); the loss, logp and metrics bits are the
-    lean mode's.
+    main_grad: the fp32 main-grad mode (`_MainGradLossFunction`, 3 GEMMs; used when the weight needs a
+    gradient): dL/dW is added into it during this forward; the loss, logp and metrics bits are the lean mode's.
     """
     check_devices("linear_policy_loss", hidden=hidden, lm_head_weight=lm_head_weight, target_ids=target_ids,
                   advantages=advantages, old_logprobs=old_logprobs, mask=mask, ref_logprobs=ref_logprobs)
@@ -523,10 +656,10 @@ def linear_policy_loss(hidden, lm_head_weight, target_ids, advantages, old_logpr
     token_weight = aggregation_weights(mask, cfg, normalizer)
     grad_on = torch.is_grad_enabled()
     need_hidden, need_weight = grad_on and hidden.requires_grad, grad_on and lm_head_weight.requires_grad
-    if main_grad is not None:
+    if main_grad is not None and need_weight:
         loss, logp, clipped, lower, kl, entropy = _MainGradLossFunction.apply(
             hidden, lm_head_weight, target_ids, advantages, old_logprobs, ref_logprobs, mask, token_weight, cfg,
-            main_grad if need_weight else None)
+            main_grad)
     else:
         loss, logp, clipped, lower, kl, entropy, _, _ = linear_policy_loss_autograd(
             hidden, lm_head_weight, target_ids, advantages, old_logprobs, ref_logprobs, mask, token_weight,
@@ -552,21 +685,191 @@ def linear_policy_loss(hidden, lm_head_weight, target_ids, advantages, old_logpr
     return loss, metrics
 
 
+def chunk_rows(cfg: dict, n: int) -> int:
+    """Tokens per chunk of the main-grad mode for a batch of n tokens: BLOCK_T * max(1, n // (CHUNKS * BLOCK_T))."""
+    block = cfg["BLOCK_T"]
+    return block * max(1, n // (cfg["CHUNKS"] * block))
+
+
+def _chunk_starts(n: int, c: int) -> range:
+    """The main-grad mode's token chunks, first to last: the fixed order of dW's sum."""
+    return range(0, n, c)
+
+
+def _e_dtype(dtype: torch.dtype) -> torch.dtype:
+    # e = exp(z - tile max) in (0, 1]: bf16 keeps its relative error at 2^-9 over fp32's whole range (fp16 would
+    # flush small ones); fp32 inputs keep fp32. Either has the dlogits' element size: one buffer serves both.
+    return torch.float32 if dtype == torch.float32 else torch.bfloat16
+
+
+def main_grad_buffers(n: int, h: int, v: int, dtype: torch.dtype, cfg: dict, *, need_hidden: bool = True,
+                      entropy: bool = True) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The main-grad mode's working buffers for n tokens, name -> (shape, dtype), as `_main_grad_pass` and
+    `_main_grad_forward` allocate them: beyond them only the inputs, the outputs, dhidden and the caller's buffer.
+    With C = min(chunk_rows(cfg, n), n): C x V elements of e, then dlogits, in place; the chunk's split
+    dhidden partials SPLIT_K x C x H fp32; its statistics partials; and per-token fp32 arrays [9, n]."""
+    c = min(chunk_rows(cfg, n), n)
+    buffers = {
+        "e_then_dlogits": ((c, v), dtype),
+        "statistics_partials": ((3 if entropy else 2, c, triton.cdiv(v, cfg["BLOCK_V"])), torch.float32),
+        "target_logit": ((c,), torch.float32),
+        "per_token": ((9, n), torch.float32),  # logp lse E[z] loss a b clipped lower kl
+    }
+    if need_hidden:
+        buffers["dhidden_splits"] = ((cfg["SPLIT_K"], c, h), torch.float32)
+    return buffers
+
+
+def main_grad_work_bytes(n: int, h: int, v: int, dtype: torch.dtype = torch.bfloat16,
+                         target: str | None = "gpu") -> int:
+    """Bytes of `main_grad_buffers` at the configuration of `target` ("gpu" or "interpreter")."""
+    buffers = main_grad_buffers(n, h, v, dtype, config(dtype, target))
+    return sum(math.prod(shape) * torch.empty(0, dtype=dt).element_size() for shape, dt in buffers.values())
+
+
+def _split_k(a, b, parts, out, gemm, k_split) -> None:
+    """out = a @ b (rounded once to out's dtype) as fp32 slices of k_split along K, summed in slice order."""
+    m, k = a.shape
+    n = b.shape[1]
+    splits = triton.cdiv(k, k_split)
+    descs = gemm_descriptors(a, b, gemm)
+    grid = (triton.cdiv(m, gemm["BLOCK_M"]) * triton.cdiv(n, gemm["BLOCK_N"]), splits)
+    _split_k_kernel[grid](
+        a, b, parts, *(descs[:2] if descs else (a, b)), m, n, k, k_split,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        TMA=descs is not None, **gemm, **_dot_options(a.dtype),
+    )
+    block = 16 if interpreting() else 1024
+    _split_k_sum_kernel[(triton.cdiv(m * n, block),)](parts, out, m * n, SPLITS=splits, BLOCK=block)
+
+
+def _main_grad_pass(rows, w, targets, inv_temp, cfg, main_grad, grad_hidden, stats, coefficients, entropy,
+                    bonus) -> None:
+    """The main-grad mode's token-chunk pass, chunks in order (the order of dW's sum). Per chunk:
+      1. `_stats_partials_kernel` (STORE_E): the logits tiles, once: the statistics partials and e = exp(z - m);
+      2. when `stats` = (logp, lse, mean_z) is to be filled, `_stats_combine_kernel` (the lean mode's);
+      3. `coefficients(t0, t1)` -> the chunk's a = dL/dlogp, b = dL/dH (or None without an entropy bonus);
+      4. `_dlogits_from_e_kernel`: dlogits over e, in place;
+      5. dhidden[chunk] = dlogits @ W (`_split_k`; skipped when grad_hidden is None);
+      6. main_grad += dlogits^T @ hidden[chunk] (linear_logp's `_matmul_kernel`, fp32, accumulating).
+    Three GEMMs' work (1, 5, 6). `stats` = (logp, lse, mean_z or None, fill): with fill, step 2 writes them,
+    chunk by chunk; without, lse and mean_z are known and only read. `entropy`: the partials of E[z] (fill only)."""
+    logp, lse, mean_z, fill = stats
+    n, h = rows.shape
+    v = w.shape[0]
+    shapes = main_grad_buffers(n, h, v, rows.dtype, cfg, need_hidden=grad_hidden is not None, entropy=entropy)
+    device = rows.device
+    c = shapes["e_then_dlogits"][0][0]
+    num_vtiles = shapes["statistics_partials"][0][2]
+    buf = torch.empty(shapes["e_then_dlogits"][0], dtype=rows.dtype, device=device)
+    e_buf = buf.view(_e_dtype(rows.dtype))
+    parts = torch.empty(shapes["statistics_partials"][0], dtype=torch.float32, device=device)
+    part_max, part_sum = parts[0], parts[1]
+    part_zsum = parts[2] if entropy else part_max
+    target_logit = torch.empty(c, dtype=torch.float32, device=device)
+    splits = (torch.empty(shapes["dhidden_splits"][0], dtype=torch.float32, device=device)
+              if grad_hidden is not None else None)
+    dx = cfg["DX"]
+    k_split = triton.cdiv(triton.cdiv(v, cfg["SPLIT_K"]), dx["BLOCK_K"]) * dx["BLOCK_K"]
+    w_desc = tma_descriptor(w, [cfg["BLOCK_V"], cfg["BLOCK_H"]])
+    programs = num_programs(device)
+    block_r = cfg["E_BLOCK_R"]
+    for t0 in _chunk_starts(n, c):
+        t1 = min(t0 + c, n)
+        m = t1 - t0
+        e, d = e_buf[:m], buf[:m]
+        tiles = triton.cdiv(m, cfg["BLOCK_T"]) * num_vtiles
+        _stats_partials_kernel[(min(programs, tiles),)](
+            tma_descriptor(rows[t0:t1], [cfg["BLOCK_T"], cfg["BLOCK_H"]]), w_desc, targets[t0:t1],
+            part_max, part_sum, part_zsum, target_logit, e, m, v, h, inv_temp, num_vtiles, e.stride(0),
+            ENTROPY=entropy, STORE_E=True, NUM_PROGRAMS=programs, **_tile_options(cfg, rows.dtype),
+        )
+        if fill:
+            _stats_combine_kernel[(m,)](
+                part_max, part_sum, part_zsum, target_logit, logp[t0:t1], lse[t0:t1],
+                (mean_z if entropy else lse)[t0:t1], num_vtiles,
+                ENTROPY=entropy, BLOCK=triton.next_power_of_2(num_vtiles), num_warps=1 if interpreting() else 4,
+            )
+        a, b = coefficients(t0, t1)
+        _dlogits_from_e_kernel[(triton.cdiv(m, block_r), num_vtiles)](
+            e, d, part_max, targets[t0:t1], lse[t0:t1], mean_z[t0:t1] if bonus else lse[t0:t1], a,
+            b if bonus else a, m, v, d.stride(0), num_vtiles, inv_temp,
+            ENTROPY_BONUS=bonus, BLOCK_R=block_r, BLOCK_V=cfg["BLOCK_V"],
+        )
+        if grad_hidden is not None:
+            _split_k(d, w, splits.view(-1)[: splits.shape[0] * m * h].view(-1, m, h), grad_hidden[t0:t1], dx,
+                     k_split)
+        _matmul(d.t(), rows[t0:t1], main_grad, accumulate=True, gemm=cfg["DW"])
+
+
+def _main_grad_forward(hidden, weight, target_ids, advantages, old_logprobs, ref_logprobs, mask, token_weight,
+                       cfg: PolicyLossConfig, main_grad, need_hidden):
+    """(terms, dhidden or None) of the main-grad mode: the lean mode's per-token terms, bit for bit, with dW
+    added into main_grad and dhidden [N,H] (compute dtype) formed on the way.
+
+    ppo: the statistics and terms of each token chunk come from its one logits pass (3 GEMMs). gspo: a token's
+    ratio needs its whole sequence's logp, which a chunk may not hold: the lean statistics first, then the chunk
+    pass with the terms known (4 GEMMs, as the lean mode)."""
+    h = hidden.shape[-1]
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    rows = hidden.reshape(-1, h).to(dtype)
+    w = weight.to(dtype)
+    targets = _flat(target_ids)
+    cfg_run = config(dtype)
+    n = rows.shape[0]
+    f32 = dict(dtype=torch.float32, device=rows.device)
+    bonus = cfg.entropy_coef > 0
+    grad_hidden = torch.empty(n, h, dtype=dtype, device=rows.device) if need_hidden else None
+    if cfg.policy_loss == "gspo":
+        terms = _policy_terms(hidden, weight, target_ids, advantages, old_logprobs, ref_logprobs, mask, token_weight,
+                              cfg)
+        stats = (terms["logp"], terms["lse"], terms["mean_z"], False)
+
+        def coefficients(t0, t1):
+            return terms["dlogp"][t0:t1], terms["dent"][t0:t1]
+    else:
+        per_token = torch.empty(9, n, **f32)
+        logp, lse, mean_z, *rest = per_token
+        mean_z = mean_z if cfg.needs_entropy else None
+        terms = dict(zip(("loss", "dlogp", "dent", "clipped", "clipped_lower", "kl"), rest, strict=True))
+        if ref_logprobs is None:
+            terms["kl"] = None
+        old, adv, weights = (_flat(t, torch.float32) for t in (old_logprobs, advantages, token_weight))
+        ref = None if ref_logprobs is None else _flat(ref_logprobs, torch.float32)
+        terms.update(logp=logp, lse=lse, mean_z=mean_z)
+        stats = (logp, lse, mean_z, True)
+
+        def coefficients(t0, t1):
+            at = slice(t0, t1)
+            _token_terms(logp[at], lse[at], None if mean_z is None else mean_z[at], old[at],
+                         None if ref is None else ref[at], adv[at], weights[at], None, cfg,
+                         out={k: None if terms[k] is None else terms[k][at]
+                              for k in ("loss", "dlogp", "dent", "clipped", "clipped_lower", "kl")})
+            return terms["dlogp"][at], terms["dent"][at]
+    if n:
+        _main_grad_pass(rows, w, targets, 1.0 / cfg.temperature, cfg_run, main_grad, grad_hidden, stats,
+                        coefficients, cfg.needs_entropy and stats[3], bonus)
+    terms.update(rows=rows, w=w, targets=targets, run_config=cfg_run)
+    return terms, grad_hidden
+
+
 class _MainGradLossFunction(torch.autograd.Function):
-    """The fp32 main-grad mode: the forward computes the statistics and per-token terms only (the loss,
-    logp and metric bits of the lean mode); the backward recomputes each logits piece, with the upstream
-    folded into the coefficients (g a_t, g b_t), forms dhidden, and adds dW into the caller's fp32
-    `main_grad` [V,H] in fixed token-chunk order (Megatron's main_grad): the weight gets no .grad, and
-    no [V,H] gradient in the weight's dtype nor fp32 scratch exists. Work: 4 GEMMs, as the lean mode;
-    not a torch custom op (torch.compile breaks the graph here)."""
+    """The fp32 main-grad mode, 3 GEMMs: the forward runs the token-chunk pass (`_main_grad_pass`), which adds
+    dL/dW for an upstream of 1 into the caller's fp32 `main_grad` [V,H] (Megatron's main_grad) in fixed
+    token-chunk order and forms dhidden; the weight gets no .grad, and no [V,H] gradient in the weight's dtype
+    nor fp32 scratch exists. Backward scales dhidden in place by the upstream g (as the lean mode) and, for
+    g != 1 only (one host read of g), adds (g - 1) dW with a second pass (the logits and dW GEMMs again).
+    Not a torch custom op (torch.compile breaks the graph here)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, target_ids, advantages, old_logprobs, ref_logprobs, mask, token_weight, cfg,
                 main_grad):
-        terms = _policy_terms(hidden, weight, target_ids, advantages, old_logprobs, ref_logprobs, mask,
-                              token_weight, cfg)
-        ctx.save_for_backward(terms["rows"], terms["w"], terms["targets"], terms["lse"],
-                              terms["mean_z"] if cfg.entropy_coef > 0 else None, terms["dlogp"], terms["dent"])
+        terms, grad_hidden = _main_grad_forward(hidden, weight, target_ids, advantages, old_logprobs, ref_logprobs,
+                                                mask, token_weight, cfg, main_grad, ctx.needs_input_grad[0])
+        bonus = cfg.entropy_coef > 0
+        ctx.save_for_backward(grad_hidden, terms["rows"], terms["w"], terms["targets"], terms["lse"],
+                              terms["mean_z"] if cfg.needs_entropy else None, terms["dlogp"],
+                              terms["dent"] if bonus else None)
         ctx.cfg, ctx.run_config, ctx.main_grad = cfg, terms["run_config"], main_grad
         ctx.shapes = (hidden.shape, hidden.dtype)
         lead = hidden.shape[:-1]
@@ -580,21 +883,25 @@ class _MainGradLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
-        rows, w, targets, lse, mean_z, dlogp, dent = ctx.saved_tensors
+        grad_hidden, rows, w, targets, lse, mean_z, dlogp, dent = ctx.saved_tensors
         hidden_shape, hidden_dtype = ctx.shapes
-        need_hidden = ctx.needs_input_grad[0]
-        main_grad = ctx.main_grad
-        grad_hidden = None
-        if rows.shape[0] and (need_hidden or main_grad is not None):
-            g = grad_loss.to(torch.float32)
-            bonus = ctx.cfg.entropy_coef > 0
-            grad_hidden, _ = _gradients(rows, w, targets, lse, mean_z, g * dlogp, g * dent if bonus else None,
-                                        1.0 / ctx.cfg.temperature, ctx.run_config, need_hidden,
-                                        main_grad is not None, main_grad=main_grad)
-        if need_hidden:
-            grad_hidden = (torch.zeros(hidden_shape, dtype=hidden_dtype, device=rows.device) if grad_hidden is None
-                           else grad_hidden.reshape(hidden_shape).to(hidden_dtype))
-        return grad_hidden, None, None, None, None, None, None, None, None, None
+        g = grad_loss.to(torch.float32)
+        if grad_hidden is not None:
+            scale_gradient_(grad_hidden, g)
+        if rows.shape[0]:
+            scale = float(g)  # the forward added dW for an upstream of 1
+            if scale != 1.0:
+                cfg = ctx.cfg
+                _main_grad_pass(rows, w, targets, 1.0 / cfg.temperature, ctx.run_config, ctx.main_grad, None,
+                                (None, lse, mean_z, False),
+                                lambda t0, t1: ((scale - 1.0) * dlogp[t0:t1],
+                                                None if dent is None else (scale - 1.0) * dent[t0:t1]),
+                                False, dent is not None)
+        if not ctx.needs_input_grad[0]:
+            return (None,) * 10
+        grad = (torch.zeros(hidden_shape, dtype=hidden_dtype, device=rows.device) if grad_hidden is None
+                else grad_hidden.reshape(hidden_shape).to(hidden_dtype))
+        return (grad,) + (None,) * 9
 
 
 class _TokenLossFunction(torch.autograd.Function):
