@@ -10,7 +10,7 @@ keep today's tiles; a candidate that does not compile (shared memory, registers)
 SDPA's default backend is timed in the same run for scale. The pick is written to the JSON; moving
 it into `attention_config` is a code change that the GPU gate must then pass.
 Each candidate runs twice, with K/V (forward, dQ) or Q/dO (dK/dV) read through TMA descriptors in the
-unmasked key blocks (what `flash.row_descriptors` gives contiguous 16-bit rows) and through pointer
+unmasked key blocks (what `dispatch.row_descriptors` gives contiguous 16-bit rows) and through pointer
 loads, and the forward checks that both give the same bits.
 The KV split (`AttentionConfig.kv_split`) is swept the same way: the prefill forward at S = 4096 and
 a decode step (one query per sequence, 8192 cached tokens, batch 1 and 16) for each candidate size,
@@ -27,8 +27,8 @@ import time
 import torch
 from common import arg_parser, bench_ms, parse_gpu_args, write_json
 
-from rl_engine.kernels.ops.triton.attention import flash
-from rl_engine.kernels.ops.triton.attention.flash import TileConfig
+from rl_engine.kernels.ops.triton.attention import contract, dispatch
+from rl_engine.kernels.ops.triton.attention.contract import TileConfig
 
 Q_HEADS, KV_HEADS, TOKENS, S = 32, 8, 16384, 4096
 CANDIDATES = {  # (block_m, block_n, num_warps, num_stages); `python -m rl_engine.kernels.ops.triton.sm90
@@ -70,19 +70,19 @@ def make_inputs(head_dim: int):
     batch = TOKENS // S
     starts = torch.arange(batch, device="cuda", dtype=torch.int32) * S
     count = torch.full_like(starts, S)
-    table = flash.sequence_table(starts, count, torch.zeros_like(starts), starts, count,
+    table = contract.sequence_table(starts, count, torch.zeros_like(starts), starts, count,
                                  max_q_count=S, max_kv_len=S)
     return q, k, v, do, table
 
 
-def with_config(cfg: flash.AttentionConfig, fn, tma: bool = True, keep: list | None = None) -> dict:
+def with_config(cfg: contract.AttentionConfig, fn, tma: bool = True, keep: list | None = None) -> dict:
     """{"ms": median time of fn()} while flash runs `cfg` (pointer loads only when not `tma`), or
     {"error": ...}: a configuration that does not compile (shared memory, registers) is a result of the
     sweep, not its end. `keep` receives fn()'s first result."""
-    original, descriptors = flash.attention_config, flash.row_descriptors
-    flash.attention_config = lambda dtype, head_dim: cfg
+    original, descriptors = dispatch.attention_config, dispatch.row_descriptors
+    dispatch.attention_config = lambda dtype, head_dim: cfg
     if not tma:
-        flash.row_descriptors = lambda tensors, block_rows: None
+        dispatch.row_descriptors = lambda tensors, block_rows: None
     try:
         result = fn()
         if keep is not None:
@@ -92,17 +92,17 @@ def with_config(cfg: flash.AttentionConfig, fn, tma: bool = True, keep: list | N
     except Exception as exc:  # noqa: BLE001
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
     finally:
-        flash.attention_config, flash.row_descriptors = original, descriptors
+        dispatch.attention_config, dispatch.row_descriptors = original, descriptors
 
 
-def time_kernel(kind: str, tile: TileConfig, base: flash.AttentionConfig, inputs, scale: float, tma: bool,
+def time_kernel(kind: str, tile: TileConfig, base: contract.AttentionConfig, inputs, scale: float, tma: bool,
                 keep: list | None = None) -> dict:
     q, k, v, do, table = inputs
     cfg = dataclasses.replace(base, **{kind: tile})
     if kind == "forward":
-        return with_config(cfg, lambda: flash.flash_forward(q, k, v, table, causal=True, scale=scale), tma, keep)
-    out, lse = flash.flash_forward(q, k, v, table, causal=True, scale=scale)  # the backward's inputs
-    return with_config(cfg, lambda: flash.flash_backward(do, q, k, v, out, lse, table, causal=True, scale=scale),
+        return with_config(cfg, lambda: dispatch.flash_forward(q, k, v, table, causal=True, scale=scale), tma, keep)
+    out, lse = dispatch.flash_forward(q, k, v, table, causal=True, scale=scale)  # the backward's inputs
+    return with_config(cfg, lambda: dispatch.flash_backward(do, q, k, v, out, lse, table, causal=True, scale=scale),
                        tma, keep)
 
 
@@ -110,7 +110,7 @@ def kv_split_sweep(head_dim: int, inputs, scale: float) -> list[dict]:
     from rl_engine.kernels.ops.triton.attention import triton_kv_cache_attention
 
     q, k, v, _, table = inputs
-    base = flash.attention_config(torch.bfloat16, head_dim)
+    base = dispatch.attention_config(torch.bfloat16, head_dim)
     gen = torch.Generator(device="cuda").manual_seed(1)
     decode = {}
     for b in DECODE_BATCHES:
@@ -123,7 +123,7 @@ def kv_split_sweep(head_dim: int, inputs, scale: float) -> list[dict]:
     for split in KV_SPLITS:
         cfg = dataclasses.replace(base, kv_split=split)
         row = {"kv_split": split, "prefill_forward": with_config(
-            cfg, lambda: flash.flash_forward(q, k, v, table, causal=True, scale=scale))}
+            cfg, lambda: dispatch.flash_forward(q, k, v, table, causal=True, scale=scale))}
         for b, args in decode.items():
             row[f"decode_b{b}"] = with_config(cfg, lambda args=args: triton_kv_cache_attention(*args))
         rows.append(row)
@@ -158,7 +158,7 @@ def sdpa_ms(inputs, backward: bool) -> float:
 def sweep(head_dim: int, tma_modes=(True, False), kv_split: bool = True) -> dict:
     inputs = make_inputs(head_dim)
     scale = head_dim ** -0.5
-    base = flash.attention_config(torch.bfloat16, head_dim)
+    base = dispatch.attention_config(torch.bfloat16, head_dim)
     result = {"head_dim": head_dim, "today": dataclasses.asdict(base), "kernels": {}}
     fwd_flops = causal_flops(head_dim)
     bwd_flops = 2.5 * fwd_flops

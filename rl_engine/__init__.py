@@ -18,11 +18,11 @@ _EXPORTS = {
     "unpatch": "rl_engine.integrations.transformers",
     "selected_logprobs": "rl_engine.integrations.transformers",
     # flash-attn 2's functions on rl_engine's attention kernel
-    "flash_attn_func": "rl_engine.flash_attn",
-    "flash_attn_varlen_func": "rl_engine.flash_attn",
-    "flash_attn_with_kvcache": "rl_engine.flash_attn",
+    "flash_attn_func": "rl_engine.integrations.flash_attn",
+    "flash_attn_varlen_func": "rl_engine.integrations.flash_attn",
+    "flash_attn_with_kvcache": "rl_engine.integrations.flash_attn",
     # aten matmul, log_softmax and last-dim sums routed to batch-invariant kernels
-    "batch_invariant_mode": "rl_engine.batch_invariant",
+    "batch_invariant_mode": "rl_engine.integrations.batch_invariant",
     # the fused lm_head + RL policy loss
     "linear_policy_loss": "rl_engine.losses",
     "PolicyLossConfig": "rl_engine.losses",
@@ -34,19 +34,19 @@ _EXPORTS = {
     # verl's rollout_corr/* mismatch metrics
     "rollout_corr_metrics": "rl_engine.metrics",
     # judging a kernel from a test suite
-    "assert_operator_matches": "rl_engine.testing",
+    "assert_operator_matches": "rl_engine.checks.testing",
 }
 
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:  # what a type checker and an IDE see; at run time __getattr__ loads them
-    from rl_engine.batch_invariant import batch_invariant_mode  # noqa: F401
-    from rl_engine.flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: F401
+    from rl_engine.checks.testing import assert_operator_matches  # noqa: F401
+    from rl_engine.integrations.batch_invariant import batch_invariant_mode  # noqa: F401
+    from rl_engine.integrations.flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: F401
     from rl_engine.integrations.transformers import patch, selected_logprobs, unpatch  # noqa: F401
     from rl_engine.losses import PolicyLossConfig, linear_policy_loss  # noqa: F401
     from rl_engine.metrics import rollout_corr_metrics  # noqa: F401
     from rl_engine.rollout import Completion, Request, RolloutEngine, SamplingParams  # noqa: F401
-    from rl_engine.testing import assert_operator_matches  # noqa: F401
 
 
 def __getattr__(name: str):

@@ -1,4 +1,4 @@
-"""The `rl-engine` command. Each subcommand lives beside the library code it drives.
+"""The `rl-engine` command: the checkers of rl_engine/checks/, and the mHC golden hashes (rl_engine/mhc/fixtures.py).
 
 A subcommand module exposes `add_arguments(parser)` and `run(args) -> int`; this file only routes
 and is the boundary where errors become one line on stderr.
@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import sys
-import sysconfig
 import threading
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -22,33 +21,17 @@ from types import SimpleNamespace
 from typing import NoReturn
 
 from rl_engine import __version__
-from rl_engine.errors import Terminated, UsageError
+from rl_engine.errors import Terminated, UsageError, safe_to_raise
 
 SUBCOMMANDS = {
-    "check-op": ("rl_engine.kernels.gtest.check_op", "gold vs candidate operator check"),
-    "check-invariance": ("rl_engine.invariance.check", "config invariance and train/infer parity"),
-    "check-p1": ("rl_engine.mhc.acceptance", "mHC provider acceptance against the strict-fp32 oracle"),
-    "check-tp": ("rl_engine.parallel.check", "tensor-parallel invariance across TP = 1, 2, 4"),
+    "check-op": ("rl_engine.checks.operators.check_op", "gold vs candidate operator check"),
+    "check-invariance": ("rl_engine.checks.forward_invariance.check", "config invariance and train/infer parity"),
+    "check-p1": ("rl_engine.checks.mhc_acceptance", "mHC provider acceptance against the strict-fp32 oracle"),
+    "check-tp": ("rl_engine.checks.tp_invariance.check", "tensor-parallel invariance across TP = 1, 2, 4"),
     "mhc-golden": ("rl_engine.mhc.fixtures", "regenerate the mHC golden hashes (explicit only)"),
 }
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 STOP_GRACE_S = 3.0  # after a stop signal, the process ends within this whatever the command does
-_STDLIB = sysconfig.get_paths()["stdlib"]
-
-
-def safe_to_raise(frame) -> bool:
-    """Whether a stop exception may be raised in `frame`, the code a signal interrupted. Not in the standard
-    library below Triton's code: Triton's native code calls back into it (nanobind converting an enum under Triton
-    3.9's interpreter), and an exception raised there cannot unwind through the C++ frames above it: the process
-    aborts (SIGABRT; seen once in CI). Elsewhere (a launcher waiting in subprocess, our own code) it may."""
-    if frame is None or not frame.f_code.co_filename.startswith(_STDLIB):
-        return True
-    caller = frame.f_back
-    while caller is not None:
-        if f"{os.sep}triton{os.sep}" in caller.f_code.co_filename:
-            return False
-        caller = caller.f_back
-    return True
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -60,7 +60,7 @@ IS_THRESHOLD = 2.0  # verl's rollout_is_threshold default
 IS_LEVELS = ("token", "sequence")
 
 
-# One definition per formula: the invariance harness (invariance/parity.py) calls these too.
+# One definition per formula: the invariance harness (checks/forward_invariance/parity.py) calls these too.
 def masked_mean(x: torch.Tensor, active: torch.Tensor, dim=None) -> torch.Tensor:
     """Mean of x over active entries; NaN where none is active (0/0). Inactive NaNs never leak."""
     total = torch.where(active, x, 0).sum(dim=dim)

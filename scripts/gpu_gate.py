@@ -108,7 +108,7 @@ def gate_passed(suite: dict, ops: list[dict]) -> bool:
 
 
 def check_ops(out: Path, fh) -> list[dict]:
-    from rl_engine.kernels.gtest import check_op
+    from rl_engine.checks.operators import check_op
     from rl_engine.kernels.records import OPS
 
     results = []

@@ -54,16 +54,16 @@ run_stage() {
     mhc)
       stage mhc-cuda-check 300 python3 scripts/mhc_cuda_check.py --out "$R/evidence" ;;
     tp)
-      stage tp-nccl-1 300 python3 scripts/check_tp_invariance.py --backend nccl --device cuda --world-sizes 1 \
+      stage tp-nccl-1 300 python3 -m rl_engine.cli check-tp --backend nccl --device cuda --world-sizes 1 \
         --preset large --json "$R/evidence/tp_invariance_nccl_1gpu.json" ;;
     tp-multi)  # needs a machine with several GPUs: TP = 1, 2 (and 4 where there are 4)
       local n; n=$(python3 -c "import torch; print(torch.cuda.device_count())")
       local sizes=1,2; [ "$n" -ge 4 ] && sizes=1,2,4
-      stage "tp-nccl-$n-gpus" 400 python3 scripts/check_tp_invariance.py --backend nccl --device cuda \
+      stage "tp-nccl-$n-gpus" 400 python3 -m rl_engine.cli check-tp --backend nccl --device cuda \
         --world-sizes "$sizes" --preset large --json "$R/evidence/tp_invariance_nccl_${n}gpu.json" ;;
     invariance-*)  # invariance-triton_bf16, invariance-torch_bf16: the qwen3-8b config, synthetic weights
       local p=${1#invariance-}
-      stage "$1" 240 python3 scripts/check_forward_invariance.py --profile "$p" --model qwen3-8b \
+      stage "$1" 240 python3 -m rl_engine.cli check-invariance --profile "$p" --model qwen3-8b \
         --device cuda --json "$R/evidence/invariance_qwen3-8b_$p.json" ;;
     *) echo "unknown stage $1" | tee -a "$SUMMARY" ;;
   esac

@@ -19,10 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from rl_engine.checks.mhc_acceptance import check_provider  # noqa: E402
 from rl_engine.cli import ArgumentParser, run_guarded  # noqa: E402
 from rl_engine.environment import environment  # noqa: E402
 from rl_engine.mhc import numerics as nm  # noqa: E402
-from rl_engine.mhc.acceptance import check_provider  # noqa: E402
 from rl_engine.mhc.fixtures import CASES, CASES_BY_NAME, build_inputs  # noqa: E402
 from rl_engine.mhc.oracle import mhc_site  # noqa: E402
 from rl_engine.mhc.provider import ReferenceProvider  # noqa: E402

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from rl_engine.batch_invariant import batch_invariant_mode, tree_sum
+from rl_engine.integrations.batch_invariant import batch_invariant_mode
+from rl_engine.kernels.ops.pytorch.reduction import tree_sum
 
 
 def _model():
@@ -68,7 +69,7 @@ def test_other_dtypes_and_ops_run_as_before():
 
 def test_a_batch_dependent_route_would_be_caught(monkeypatch):
     """The check above can fail: a planted route that adds the batch size breaks row invariance."""
-    import rl_engine.batch_invariant as mode
+    import rl_engine.integrations.batch_invariant as mode
 
     real = mode._mm
     monkeypatch.setitem(mode._ROUTES, torch.ops.aten.mm.default,

@@ -24,12 +24,12 @@ import torch
 from torch import nn
 
 from rl_engine.errors import UsageError
+from rl_engine.integrations.nn import Attention, GatedMLP, LmHead, RMSNorm, SelectedLogprobHead, profile_ops
 from rl_engine.models.config import ModelConfig
 from rl_engine.models.decoder import rope_inv_freq
 from rl_engine.models.families import get_family
 from rl_engine.models.profiles import ProfileOps, get_profile
 from rl_engine.models.weights import CheckpointError, config_from_hf
-from rl_engine.nn import Attention, GatedMLP, LmHead, RMSNorm, SelectedLogprobHead, profile_ops
 
 SUPPORTED = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
 ATTN_IMPLEMENTATION = "rl_engine"  # our name in transformers' mask registry: it hands attention the 2D mask

@@ -2,9 +2,9 @@
 
 An op is its record here, its gold op (`ops/pytorch/<module>.py`, class `Native<Stem>Op`, which owns
 the op's whole meaning and its `baseline`), its Triton kernel (`ops/triton/<module>.py`, class
-`Triton<Stem>Op`) and its sample builder (`kernels/gtest/operator_inputs.py`). Everything else is
+`Triton<Stem>Op`) and its sample builder (`checks/operators/operator_inputs.py`). Everything else is
 derived from the records: the registry's backends (`registry.py`), the harness's cases and
-`check-op --list` (`gtest/operator_specs.py`), the op classes the tolerance contract must cover,
+`check-op --list` (`checks/operators/operator_specs.py`), the op classes the tolerance contract must cover,
 the model profiles' op list (`models/profiles.py`), the GPU gate's op list and the docs table (a
 test compares `docs/kernels.md` with the records).
 

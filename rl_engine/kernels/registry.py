@@ -6,7 +6,7 @@ Targets are imported lazily, so a missing Triton kernel fails the call that need
 message naming the op, the backend and the path; nothing falls back to another backend.
 
 Every dispatch appends a `DispatchRecord` (node, op, backend, target, output dtype, TF32 state)
-to the recorder passed in; `rl_engine.invariance.provenance` judges those records.
+to the recorder passed in; `rl_engine.checks.forward_invariance.provenance` judges those records.
 
 Every op's three backends come from its record (rl_engine.kernels.records):
 - `reference`: the gold op called as a reference: fp32, TF32 off;

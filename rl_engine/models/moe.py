@@ -33,25 +33,14 @@ from collections.abc import Callable
 
 import torch
 
-from rl_engine.batch_invariant import tree_sum
+from rl_engine.kernels.ops.pytorch.reduction import tree_sum
 from rl_engine.kernels.ops.triton import moe as moe_kernels
-
-# The router's expert axis is padded to a multiple of this (and to a power of two, for the tree).
-ROUTER_PAD = 64
+from rl_engine.kernels.ops.triton.moe import router_width
 
 
 def _acc(t: torch.Tensor) -> torch.dtype:
     """The accumulation dtype: fp32, or float64 for float64 inputs (the gradient checks run in it)."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def router_width(experts: int) -> int:
-    """The router's padded expert axis: a power of two, at least ROUTER_PAD (the Triton router's lanes too)."""
-    return max(ROUTER_PAD, _pow2_at_least(experts))
 
 
 def router_softmax(logits: torch.Tensor) -> torch.Tensor:

@@ -238,7 +238,7 @@ QWEN3_TINY = {"model_type": "qwen3", "vocab_size": 257, "hidden_size": 64, "inte
 @pytest.fixture
 def files(tmp_path, monkeypatch):
     """Placeholder -> path of a bad input file."""
-    from rl_engine.kernels.gtest.tolerance import DEFAULT_CONTRACT_PATH as CONTRACT_PATH
+    from rl_engine.checks.operators.tolerance import DEFAULT_CONTRACT_PATH as CONTRACT_PATH
     from rl_engine.mhc.fixtures import GOLDEN_PATH
     from rl_engine.workload.manifest import MANIFEST_PATH
 
@@ -383,13 +383,13 @@ def _patch_a_linear():
 
 
 def _dims(**kw):
-    from rl_engine.kernels.gtest.operator_inputs import OperatorDims
+    from rl_engine.checks.operators.operator_inputs import OperatorDims
 
     return OperatorDims(**kw).validate()
 
 
 def _suite(**kw):
-    from rl_engine.kernels.gtest.op_checks import run_operator_suite
+    from rl_engine.checks.operators.op_checks import run_operator_suite
 
     return run_operator_suite("logp", candidates=[], cases=[], **kw)
 
@@ -446,12 +446,12 @@ API = {
                           "unknown case(s) huge"),
     "mhc: missing golden": (lambda p: _call("rl_engine.mhc.fixtures:load_golden", p["DIR"] / "none.json"),
                             UsageError, "not found"),
-    "gtest: unknown op": (lambda p: _call("rl_engine.kernels.gtest.operator_specs:get_spec", "conv"), UsageError,
+    "check-op: unknown op": (lambda p: _call("rl_engine.checks.operators.operator_specs:get_spec", "conv"), UsageError,
                           "unknown op 'conv'"),
-    "gtest: unknown candidate": (lambda p: _call("rl_engine.kernels.gtest.operator_specs:make_candidate", "logp",
+    "check-op: unknown candidate": (lambda p: _call("rl_engine.checks.operators.operator_specs:make_candidate", "logp",
                                                  "cuda"), UsageError, "unknown candidate"),
-    "gtest: theta inf": (lambda p: _dims(theta=float("inf")), ValueError, "theta"),
-    "gtest: unknown grad mode": (lambda p: _suite(grad_mode="zeros"), ValueError, "grad_mode"),
+    "check-op: theta inf": (lambda p: _dims(theta=float("inf")), ValueError, "theta"),
+    "check-op: unknown grad mode": (lambda p: _suite(grad_mode="zeros"), ValueError, "grad_mode"),
     "triton: meta tensor": (lambda p: _meta_triton("rms_norm"), ValueError, "rms_norm: x is on meta"),
     "integrations: not a causal LM": (lambda p: _patch_a_linear(), UsageError, "Linear is not supported"),
     "parallel: unknown backend": (lambda p: _call("rl_engine.parallel.launch:spawn_group", print, 1, backend="mpi"),

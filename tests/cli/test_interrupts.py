@@ -205,7 +205,7 @@ def _stdlib_frame_called_from(caller_file: str):
 def test_a_stop_is_not_raised_in_the_standard_library_under_triton():
     # Triton 3.9's native code calls back into the standard library (an enum conversion): a KeyboardInterrupt
     # raised there aborted check-op with SIGABRT in CI. Such frames wait for the retry; others raise at once.
-    from rl_engine.cli import safe_to_raise
+    from rl_engine.errors import safe_to_raise
 
     assert not safe_to_raise(_stdlib_frame_called_from(os.path.join("site-packages", "triton", "runtime", "x.py")))
     assert safe_to_raise(_stdlib_frame_called_from(os.path.join("rl_engine", "parallel", "launch.py")))

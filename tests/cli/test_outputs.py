@@ -71,13 +71,14 @@ def _fail(*args, **kwargs):
 
 @pytest.mark.parametrize("argv, target", [
     (["check-op", "--op", "silu", "--device", "cpu", "--json-out", "FILE/r.json"],
-     "rl_engine.kernels.gtest.check_op.run_operator_suite"),
+     "rl_engine.checks.operators.check_op.run_operator_suite"),
     (["check-invariance", "--profile", "torch_bf16", "--json", "FILE/r.json"],
-     "rl_engine.invariance.harness.run_harness"),
-    (["check-invariance", "--profile", "torch_bf16", "--out", "FILE"], "rl_engine.invariance.harness.run_harness"),
+     "rl_engine.checks.forward_invariance.harness.run_harness"),
+    (["check-invariance", "--profile", "torch_bf16", "--out", "FILE"],
+     "rl_engine.checks.forward_invariance.harness.run_harness"),
     (["check-p1", "--provider", "rl_engine.mhc.provider:ReferenceProvider", "--json", "FILE/r.json"],
-     "rl_engine.mhc.acceptance.check_provider"),
-    (["check-tp", "--json", "FILE/r.json"], "rl_engine.parallel.check.spawn_group"),
+     "rl_engine.checks.mhc_acceptance.check_provider"),
+    (["check-tp", "--json", "FILE/r.json"], "rl_engine.checks.tp_invariance.check.spawn_group"),
     (["mhc-golden", "--write", "--manifest", "FILE/g.json"], "rl_engine.mhc.fixtures.oracle_trace"),
 ])
 def test_a_bad_output_path_stops_the_command_before_the_work(tmp_path, monkeypatch, capsys, argv, target):

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rl_engine.kernels.gtest.operator_inputs import INPUT_BUILDERS
-from rl_engine.kernels.gtest.tolerance import load_contract
+from rl_engine.checks.operators.operator_inputs import INPUT_BUILDERS
+from rl_engine.checks.operators.tolerance import load_contract
 from rl_engine.kernels.records import MODEL_OPS, OP_CLASSES, OPS
 from rl_engine.kernels.registry import BACKENDS, REGISTRY
 from rl_engine.loading import load_object

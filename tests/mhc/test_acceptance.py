@@ -7,10 +7,10 @@ import sys
 import pytest
 import torch
 
+from rl_engine.checks.mhc_acceptance import check_provider
 from rl_engine.cli import main
 from rl_engine.errors import UsageError
 from rl_engine.mhc import oracle
-from rl_engine.mhc.acceptance import check_provider
 from rl_engine.mhc.fixtures import CASES_BY_NAME
 from rl_engine.mhc.provider import ReferenceProvider, StubProvider, check_capability, resolve_provider
 
@@ -484,7 +484,8 @@ class PatchesTheChecker(ReferenceProvider):
     """Replaces the checker's functions in its own interpreter and returns zeros."""
 
     def __init__(self):
-        from rl_engine.mhc import acceptance, trace
+        from rl_engine.checks import mhc_acceptance as acceptance
+        from rl_engine.mhc import trace
 
         passed = {"passed": True, "failures": [], "case": "one_row", "tokens": 1, "hidden": 128}
         acceptance.check_case = lambda *a, **k: dict(passed)
@@ -526,7 +527,8 @@ def test_a_profile_that_changes_after_its_first_read_is_judged_by_the_first(caps
 
 
 def test_a_provider_patching_the_checker_patches_only_its_own_process(capsys):
-    from rl_engine.mhc import acceptance, trace
+    from rl_engine.checks import mhc_acceptance as acceptance
+    from rl_engine.mhc import trace
 
     before = (acceptance.check_case, acceptance.compare, acceptance.tensor_sha256, trace.compare)
     code, line = cli(capsys, PatchesTheChecker)
@@ -544,7 +546,7 @@ def test_a_hung_provider_is_ended_at_the_case_time_limit(capsys):
 
 
 def test_a_provider_that_dies_or_interrupts_itself_fails_its_case():
-    from rl_engine.mhc.acceptance import check_provider as check
+    from rl_engine.checks.mhc_acceptance import check_provider as check
 
     report = check(f"{__name__}:DiesInAnOperator", [CASES_BY_NAME["one_row"], CASES_BY_NAME["odd_t7"]],
                    progress=None)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from rl_engine.checks.mhc_acceptance import check_provider
 from rl_engine.mhc import numerics as nm
-from rl_engine.mhc.acceptance import check_provider
 from rl_engine.mhc.fixtures import CASES, load_golden, oracle_trace
 from rl_engine.mhc.provider import ReferenceProvider
 from rl_engine.mhc.trace import tensor_sha256

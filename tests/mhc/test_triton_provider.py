@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rl_engine.checks.mhc_acceptance import check_provider
 from rl_engine.mhc import numerics, oracle
-from rl_engine.mhc.acceptance import check_provider
 from rl_engine.mhc.fixtures import CASES, CASES_BY_NAME, build_inputs
 from rl_engine.mhc.kernels import strict_fp32 as sf
 from rl_engine.mhc.kernels.launch import STRICT

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from rl_engine import cli
-from rl_engine.invariance.harness import model_accuracy_tolerance
+from rl_engine.checks.forward_invariance.harness import model_accuracy_tolerance
 from rl_engine.models.config import ModelConfig
 from rl_engine.models.decoder import DecoderModel, rope_inv_freq
 from rl_engine.models.families import CONFIGS, FAMILIES

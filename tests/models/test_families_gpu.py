@@ -13,7 +13,7 @@ import pytest
 import torch
 from hf_models import as_bf16, randomise
 
-from rl_engine.invariance.harness import model_accuracy_tolerance, run_harness
+from rl_engine.checks.forward_invariance.harness import model_accuracy_tolerance, run_harness
 from rl_engine.kernels.ops.pytorch.base import tf32_off
 from rl_engine.models.decoder import DecoderModel
 from rl_engine.models.families import CONFIGS

@@ -97,7 +97,7 @@ def test_planted_bugs_break_the_agreement(tmp_path):
 
 
 def test_bf16_within_transformers_own_bf16_error(tmp_path):
-    from rl_engine.invariance.harness import model_accuracy_tolerance
+    from rl_engine.checks.forward_invariance.harness import model_accuracy_tolerance
 
     hf = _hf_checkpoint(tmp_path, "renormalised", layers=2)
     config = load_hf_config(tmp_path)

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from rl_engine.invariance.harness import run_harness
+from rl_engine.checks.forward_invariance.harness import run_harness
 from rl_engine.models.families import CONFIGS
 from rl_engine.models.moe import local_experts, moe_block
 from rl_engine.models.profiles import ProfileOps, get_profile

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rl_engine.checks.tp_invariance.harness import compare_runs
 from rl_engine.mhc.contract import LayerContract
 from rl_engine.mhc.numerics import lane_sum
 from rl_engine.parallel import ShardLayout, tree_reduce
-from rl_engine.parallel.invariance import compare_runs
 from rl_engine.parallel.mhc_placements import cp_token_sharded_site, sharded_lane_sum
 from rl_engine.parallel.tp_kernels import (
     column_parallel_matmul,

@@ -10,8 +10,7 @@ import pytest
 import torch
 from tp_planted_bugs import PLANTED
 
-from rl_engine.parallel.canonical import ShardLayout
-from rl_engine.parallel.invariance import (
+from rl_engine.checks.tp_invariance.harness import (
     CASES,
     ProblemSizes,
     case_decoder,
@@ -21,6 +20,7 @@ from rl_engine.parallel.invariance import (
     run_world_sizes,
     runs_by_tp,
 )
+from rl_engine.parallel.canonical import ShardLayout
 from rl_engine.parallel.launch import spawn_group
 
 SIZES = ProblemSizes()
@@ -105,8 +105,8 @@ def test_planted_one_ulp_on_one_rank_is_flagged(runs):
 
 
 def test_sizes_that_split_into_partial_kernel_steps_are_a_usage_error():
+    from rl_engine.checks.tp_invariance.check import _check_sizes
     from rl_engine.errors import UsageError
-    from rl_engine.parallel.check import _check_sizes
 
     _check_sizes(SIZES, "small")  # the interpreter's tiles
     with pytest.raises(UsageError, match="hidden a multiple of 64"):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl_engine.parallel.check import PRESETS
-from rl_engine.parallel.invariance import compare_runs, oracle_comparison, run_world_sizes, runs_by_tp
+from rl_engine.checks.tp_invariance.check import PRESETS
+from rl_engine.checks.tp_invariance.harness import compare_runs, oracle_comparison, run_world_sizes, runs_by_tp
 from rl_engine.parallel.launch import spawn_group
 
 

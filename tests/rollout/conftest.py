@@ -1,6 +1,6 @@
 import pytest
 
-from rl_engine.invariance.harness import build_model
+from rl_engine.checks.forward_invariance.harness import build_model
 from rl_engine.models.config import ModelConfig
 from rl_engine.models.weights import synthetic_weights
 

@@ -136,7 +136,7 @@ def test_a_late_arrival_does_not_spin(micro_model, monkeypatch, planted):
 @pytest.mark.parametrize("planted", [False, True], ids=["refused", "planted-unchecked"])
 def test_nan_logits_are_one_error_naming_the_request(micro_config, micro_weights, monkeypatch, planted):
     import rl_engine.rollout.engine as engine_module
-    from rl_engine.invariance.harness import build_model
+    from rl_engine.checks.forward_invariance.harness import build_model
 
     weights = {n: t.clone() for n, t in micro_weights.items()}
     weights["lm_head.weight"][5] = float("nan")  # every logit row holds a NaN

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rl_engine.invariance.harness import build_model
+from rl_engine.checks.forward_invariance.harness import build_model
 from rl_engine.models.families import get_config
 from rl_engine.models.weights import synthetic_weights
 from rl_engine.rollout import Request, RolloutEngine, SamplingParams, tempered_logprobs

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tp_rollout_cases import CONFIG, ENGINE, engine_run, rollout_ranks, weights
 
-from rl_engine.invariance.harness import build_model
+from rl_engine.checks.forward_invariance.harness import build_model
 from rl_engine.parallel.launch import spawn_group
 from rl_engine.rollout import RolloutEngine
 

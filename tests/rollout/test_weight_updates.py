@@ -4,7 +4,7 @@ weights; derived tensors are refreshed; bad updates are one error that changes n
 import pytest
 import torch
 
-from rl_engine.invariance.harness import build_model
+from rl_engine.checks.forward_invariance.harness import build_model
 from rl_engine.models.decoder import DecoderModel
 from rl_engine.models.profiles import ProfileOps, get_profile
 from rl_engine.models.weights import synthetic_weights

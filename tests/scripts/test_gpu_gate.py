@@ -45,7 +45,7 @@ def test_one_failing_op_or_no_ops_fails_the_gate():
 def test_check_ops_covers_every_record_layout_and_dtype(tmp_path, monkeypatch):
     """The gate's op list is the records': every op in every layout, bf16 and fp32, with --check-grad
     exactly where the op has a backward; one op's error does not stop the others."""
-    from rl_engine.kernels.gtest import check_op
+    from rl_engine.checks.operators import check_op
     from rl_engine.kernels.records import OPS
 
     calls = []

@@ -194,10 +194,17 @@ def permute_backward(grad_rows: torch.Tensor, row_of_slot: torch.Tensor) -> torc
     return out
 
 
-def _router_lanes(experts: int) -> int:
-    from rl_engine.models.moe import router_width  # imported here: that module imports this one
+# The router's expert axis is padded to a multiple of this (and to a power of two, for the tree).
+ROUTER_PAD = 64
 
-    return router_width(experts)
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def router_width(experts: int) -> int:
+    """The router's padded expert axis: a power of two, at least ROUTER_PAD (the Triton router's lanes too)."""
+    return max(ROUTER_PAD, _pow2_at_least(experts))
 
 
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
@@ -210,7 +217,7 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
     weights, picked = torch.empty(t, top_k, dtype=logits.dtype, device=logits.device), torch.empty(t, top_k, **f32)
     experts = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
     if t:
-        lanes, slots = _router_lanes(e), triton.next_power_of_2(top_k)
+        lanes, slots = router_width(e), triton.next_power_of_2(top_k)
         _route_kernel[(t,)](logits, probs, weights, experts, picked, e, logits.stride(0), TOP_K=top_k,
                             NORM=norm_topk_prob, LIBDEVICE_EXP=not interpreting(), BLOCK_E=lanes,
                             LOG_E=_log2(lanes), BLOCK_K=slots, LOG_K=_log2(slots), **_ROUTER_OPTIONS)
@@ -226,6 +233,6 @@ def route_backward(grad_weights: torch.Tensor, probs: torch.Tensor, experts: tor
     if t:
         slots = triton.next_power_of_2(k)
         _route_backward_kernel[(t,)](grad_weights.contiguous(), probs, picked, experts, dlogits, e, dlogits.stride(0),
-                                     TOP_K=k, NORM=norm_topk_prob, BLOCK_E=_router_lanes(e), BLOCK_K=slots,
+                                     TOP_K=k, NORM=norm_topk_prob, BLOCK_E=router_width(e), BLOCK_K=slots,
                                      LOG_K=_log2(slots), **_ROUTER_OPTIONS)
     return dlogits

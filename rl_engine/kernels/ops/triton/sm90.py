@@ -65,13 +65,13 @@ def _compile(fn, constants: dict, types, num_warps: int, num_stages: int):
 def compile_attention(kind: str, dtype: torch.dtype, head_dim: int, tile=None):
     """The compiled kernel (triton.compile's result) of one attention kernel at its configured tiles; also
     "combine_after_pdl", the combine as gluon_decode launches it (waiting for the decode grid)."""
-    from rl_engine.kernels.ops.triton.attention import flash
+    from rl_engine.kernels.ops.triton.attention import contract, flash
 
-    config = flash.attention_config(dtype, head_dim)
-    padded = flash.block_d(head_dim)
+    config = contract.attention_config(dtype, head_dim)
+    padded = contract.block_d(head_dim)
     element = "*bf16" if dtype == torch.bfloat16 else "*fp32"
     if kind in ("combine", "combine_after_pdl"):
-        constants = dict(BLOCK_R=flash.COMBINE_BLOCK_R, BLOCK_D=padded, AFTER_PDL=kind == "combine_after_pdl")
+        constants = dict(BLOCK_R=contract.COMBINE_BLOCK_R, BLOCK_D=padded, AFTER_PDL=kind == "combine_after_pdl")
         return _compile(flash._split_combine_kernel, constants,
                         lambda n: element if n == "O" else "*fp32" if n.isupper() else "i32", 4, 1)
     paged = kind.endswith("_paged")
@@ -89,7 +89,7 @@ def compile_attention(kind: str, dtype: torch.dtype, head_dim: int, tile=None):
                          PAGE_SIZE=PAGED_PAGE_SIZE if paged else 1, PAGED=paged)
         if not paged:
             constants["BLOCK_TABLE"] = None  # what flash_forward passes for a contiguous cache
-    # what flash.row_descriptors decides for contiguous rows (a paged cache has none)
+    # what dispatch.row_descriptors decides for contiguous rows (a paged cache has none)
     tma = dtype != torch.float32 and padded == head_dim and not paged
     constants["TMA"] = tma
     block_rows = {"KD": tile.block_n, "VD": tile.block_n, "QD": tile.block_m, "DOD": tile.block_m}
@@ -382,7 +382,7 @@ def main(argv=None) -> int:
 
     if interpreting():
         parser.exit(2, "sm90: set TRITON_INTERPRET=0 (the interpreter replaces kernels by Python functions)\n")
-    from rl_engine.kernels.ops.triton.attention.flash import TileConfig
+    from rl_engine.kernels.ops.triton.attention.contract import TileConfig
 
     tile = TileConfig(*map(int, args.tile.split(","))) if args.tile else None
     cases = CASES

@@ -13,10 +13,10 @@ import warnings
 import pytest
 import torch
 
+from rl_engine.checks.testing import assert_never_quieter
 from rl_engine.kernels.ops.pytorch.attention.attention import NativeAttentionOp
 from rl_engine.kernels.ops.triton.attention import TritonAttentionOp, triton_attention
 from rl_engine.kernels.ops.triton.runtime import dot_fp32
-from rl_engine.testing import assert_never_quieter
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
@@ -137,7 +137,7 @@ def test_wrong_scale_is_caught():
 
 def _jumps(q, k, scale, block, threshold=8.0):
     """How many (row, block) pairs raise a causal row's running max by more than `threshold` log2 units after
-    the row's first block: where the kernels' lazy max (flash.RESCALE_ABOVE) must move and rescale."""
+    the row's first block: where the kernels' lazy max (contract.RESCALE_ABOVE) must move and rescale."""
     s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float().repeat_interleave(q.shape[2] // k.shape[2], 2))
     s = (s * scale * 1.4426950408889634).masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
     s = torch.nn.functional.pad(s, (0, -s.shape[-1] % block), value=float("-inf"))

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from rl_engine.kernels.ops.triton.attention import flash, triton_attention, triton_kv_cache_attention
+from rl_engine.kernels.ops.triton.attention import contract, dispatch, triton_attention, triton_kv_cache_attention
 from rl_engine.kernels.ops.triton.runtime import dot_fp32
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -171,9 +171,9 @@ def test_another_key_block_size_is_caught(monkeypatch):
     # Planted bug: a path that walks keys in other blocks (8 instead of 16) must not pass as bitwise.
     (q, k, v), = _sequences([37], 2, 1, 16, torch.float32, seed=5)
     baseline = triton_attention(q[None], k[None], v[None])
-    config = flash.attention_config(torch.float32, 16)
-    other = flash.TileConfig(config.forward.block_m, 8, config.forward.num_warps, config.forward.num_stages)
-    monkeypatch.setattr(flash, "attention_config", lambda dtype, d: flash.AttentionConfig(other, other, other))
+    config = contract.attention_config(torch.float32, 16)
+    other = contract.TileConfig(config.forward.block_m, 8, config.forward.num_warps, config.forward.num_stages)
+    monkeypatch.setattr(dispatch, "attention_config", lambda dtype, d: contract.AttentionConfig(other, other, other))
     assert not torch.equal(triton_attention(q[None], k[None], v[None]), baseline)
 
 
@@ -194,8 +194,8 @@ def test_decode_gives_the_same_bits_with_any_number_of_heads_per_tile(monkeypatc
         monkeypatch.setattr(kv, "_heads_per_tile", lambda *args, h=heads: h)
         outs[heads] = triton_kv_cache_attention(q, k_cache, v_cache, lengths)
     assert torch.equal(outs[1], outs[4]) and torch.equal(outs[2], outs[4])
-    config = flash.attention_config(torch.bfloat16, 16)
-    monkeypatch.setattr(flash, "attention_config", lambda dtype, d: dataclasses.replace(config, kv_split=16))
+    config = contract.attention_config(torch.bfloat16, 16)
+    monkeypatch.setattr(dispatch, "attention_config", lambda dtype, d: dataclasses.replace(config, kv_split=16))
     assert not torch.equal(triton_kv_cache_attention(q, k_cache, v_cache, lengths), outs[4])
 
 
@@ -206,8 +206,8 @@ def test_another_kv_split_is_caught(monkeypatch):
     k_cache, v_cache = _cache([(q, k, v)])
     decode = lambda: triton_kv_cache_attention(q[None, -1:], k_cache, v_cache, torch.tensor([45], device=DEVICE))  # noqa: E731
     assert torch.equal(decode()[0, 0], prefill)
-    config = flash.attention_config(torch.bfloat16, 16)
-    monkeypatch.setattr(flash, "attention_config", lambda dtype, d: dataclasses.replace(config, kv_split=16))
+    config = contract.attention_config(torch.bfloat16, 16)
+    monkeypatch.setattr(dispatch, "attention_config", lambda dtype, d: dataclasses.replace(config, kv_split=16))
     assert not torch.equal(decode()[0, 0], prefill)
 
 
@@ -225,37 +225,37 @@ def test_tma_and_pointer_loads_give_the_same_bits(monkeypatch):
     # they replace must give the same bits, and a descriptor of the wrong tensor must be seen.
     seqs = _sequences([41, 5, 16], 4, 2, 16, torch.bfloat16, seed=8)
     q, k, _ = seqs[0]
-    assert flash.row_descriptors((k, k), 16) is not None, "these rows should take the TMA path"
+    assert dispatch.row_descriptors((k, k), 16) is not None, "these rows should take the TMA path"
     with_tma = _packed_forward_and_grads(seqs)
-    descriptors = flash.row_descriptors
-    monkeypatch.setattr(flash, "row_descriptors", lambda tensors, block_rows: None)
+    descriptors = dispatch.row_descriptors
+    monkeypatch.setattr(dispatch, "row_descriptors", lambda tensors, block_rows: None)
     pointers = _packed_forward_and_grads(seqs)
     for name, a, b in zip(("out", "dq", "dk", "dv"), with_tma, pointers):
         assert torch.equal(a, b), f"{name}: TMA and pointer loads differ"
     # Planted bug: the descriptors swapped (K read from V's rows, Q from dO's).
-    monkeypatch.setattr(flash, "row_descriptors", lambda tensors, block_rows: descriptors(tensors[::-1], block_rows))
+    monkeypatch.setattr(dispatch, "row_descriptors", lambda tensors, block_rows: descriptors(tensors[::-1], block_rows))
     swapped = _packed_forward_and_grads(seqs)
     assert not all(torch.equal(a, b) for a, b in zip(with_tma, swapped))
 
 
 def test_row_descriptors_only_for_16bit_power_of_two_aligned_rows():
     rows = torch.zeros(9, 2, 64, dtype=torch.bfloat16, device=DEVICE)
-    assert len(flash.row_descriptors((rows, rows), 32)) == 2
-    assert flash.row_descriptors((rows.float(), rows.float()), 32) is None  # fp32: no unmasked loop
+    assert len(dispatch.row_descriptors((rows, rows), 32)) == 2
+    assert dispatch.row_descriptors((rows.float(), rows.float()), 32) is None  # fp32: no unmasked loop
     odd = torch.zeros(9, 2, 80, dtype=torch.bfloat16, device=DEVICE)
-    assert flash.row_descriptors((odd, odd), 32) is None  # head dim padded inside the kernel
+    assert dispatch.row_descriptors((odd, odd), 32) is None  # head dim padded inside the kernel
     shifted = torch.zeros(9 * 2 * 64 + 1, dtype=torch.bfloat16, device=DEVICE)[1:].view(9, 2, 64)
-    assert flash.row_descriptors((rows, shifted), 32) is None  # base not 16-byte aligned
+    assert dispatch.row_descriptors((rows, shifted), 32) is None  # base not 16-byte aligned
 
 
 def test_flat_and_nested_split_loops_give_the_same_bits(monkeypatch):
     # Lengths over three 32-key splits; both loop forms of the forward bit for bit, every layout in the one
     # this config does not take (the other's layouts: test_every_form_gives_the_same_bits_bf16).
     seqs = _sequences([75, 5, 33], 4, 1, 16, torch.bfloat16, seed=9)
-    config = flash.attention_config(torch.bfloat16, 16)
+    config = contract.attention_config(torch.bfloat16, 16)
     results = {}
     for flat in (True, False):
-        monkeypatch.setattr(flash, "attention_config", lambda dtype, d, flat=flat: dataclasses.replace(
+        monkeypatch.setattr(dispatch, "attention_config", lambda dtype, d, flat=flat: dataclasses.replace(
             config, flat_splits=flat))
         if flat != config.flat_splits:
             assert_all_forms_bitwise_equal(seqs)
@@ -277,7 +277,7 @@ def test_gpu_every_form_gives_the_same_bits_across_kv_splits(head_dim):
     # 3834 tokens of uneven lengths, the longest past the first KV split (2048 keys), chunks of 7 and 300
     # that end on either side of the split boundary: head_dim 64 takes the flat split loop, 128 and 256
     # the nested one, all with TMA loads in the unmasked blocks.
-    assert flash.attention_config(torch.bfloat16, head_dim).kv_split < 2600
+    assert contract.attention_config(torch.bfloat16, head_dim).kv_split < 2600
     seqs = _sequences([2600, 900, 333, 1], 32, 8, head_dim, torch.bfloat16, seed=13)
     assert_all_forms_bitwise_equal(seqs, chunk=7)
     assert_all_forms_bitwise_equal(seqs[:2], chunk=300)

@@ -132,7 +132,7 @@ GPU_CASES = [
 def test_gpu_gives_the_bits_of_the_triton_forward(monkeypatch, name, layout, spec, s, hq, hkv, causal, d):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is written for Hopper (sm_90a)")
-    from rl_engine.kernels.ops.triton.attention import flash
+    from rl_engine.kernels.ops.triton.attention import dispatch
     from rl_engine.kernels.ops.triton.attention import gluon_forward as gluon_forward_module
     from rl_engine.kernels.ops.triton.attention.attention import _packed_table, _padded_table
     from rl_engine.kernels.ops.triton.attention.gluon_forward import gluon_forward
@@ -148,7 +148,7 @@ def test_gpu_gives_the_bits_of_the_triton_forward(monkeypatch, name, layout, spe
         table = _packed_table(rows, cu, "cuda")
     q, k, v = (_bf16(rows, h, d, seed=i, device="cuda") for i, h in enumerate((hq, hkv, hkv)))
     monkeypatch.setattr(gluon_forward_module, "covers", lambda *args: False)  # flash.py's own kernel
-    want, want_lse = flash.flash_forward(q, k, v, table, causal=causal, scale=d ** -0.5)
+    want, want_lse = dispatch.flash_forward(q, k, v, table, causal=causal, scale=d ** -0.5)
     monkeypatch.undo()
     got, got_lse = gluon_forward(q, k, v, table, causal=causal)
     info = table.info.cpu().tolist()
@@ -167,7 +167,7 @@ def test_gpu_rows_whose_max_jumps_mid_walk_keep_the_bits(monkeypatch, d):
     its rows' rescale wrongly would not: the random data of the cases above hardly ever moves a max that far)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is written for Hopper (sm_90a)")
-    from rl_engine.kernels.ops.triton.attention import flash
+    from rl_engine.kernels.ops.triton.attention import dispatch
     from rl_engine.kernels.ops.triton.attention import gluon_forward as gluon_forward_module
     from rl_engine.kernels.ops.triton.attention.attention import _packed_table
     from rl_engine.kernels.ops.triton.attention.gluon_forward import gluon_forward
@@ -177,7 +177,7 @@ def test_gpu_rows_whose_max_jumps_mid_walk_keep_the_bits(monkeypatch, d):
     q, k, v = (_bf16(sum(spec), h, d, seed=i, device="cuda") for i, h in enumerate((8, 2, 2)))
     k[150::300] *= 12  # a sequence's first long key is in its third block (64-key blocks; 32 at head_dim 256)
     monkeypatch.setattr(gluon_forward_module, "covers", lambda *args: False)  # flash.py's own kernel
-    want, want_lse = flash.flash_forward(q, k, v, table, causal=True, scale=d ** -0.5)
+    want, want_lse = dispatch.flash_forward(q, k, v, table, causal=True, scale=d ** -0.5)
     monkeypatch.undo()
     got, got_lse = gluon_forward(q, k, v, table, causal=True)
     smooth = k.clone()
@@ -258,7 +258,7 @@ def test_gpu_backward_gives_the_bits_of_the_triton_backward(monkeypatch, name, l
     the same tiles, blocks and group order, so the same bits are expected."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is written for Hopper (sm_90a)")
-    from rl_engine.kernels.ops.triton.attention import flash, gluon_backward
+    from rl_engine.kernels.ops.triton.attention import dispatch, gluon_backward
     from rl_engine.kernels.ops.triton.attention.attention import _packed_table, _padded_table
 
     if layout == "padded":
@@ -269,11 +269,11 @@ def test_gpu_backward_gives_the_bits_of_the_triton_backward(monkeypatch, name, l
         rows = sum(spec)
         table = _packed_table(rows, torch.tensor([0] + spec).cumsum(0), "cuda")
     q, k, v, do = (_bf16(rows, h, d, seed=i, device="cuda") for i, h in enumerate((hq, hkv, hkv, hq)))
-    out, lse = flash.flash_forward(q, k, v, table, causal=causal, scale=d ** -0.5)
-    got = flash.flash_backward(do, q, k, v, out, lse, table, causal=causal, scale=d ** -0.5)
-    assert flash._gluon_covers(q, k, v, backward=True), "the Gluon backward is routed for these rows"
+    out, lse = dispatch.flash_forward(q, k, v, table, causal=causal, scale=d ** -0.5)
+    got = dispatch.flash_backward(do, q, k, v, out, lse, table, causal=causal, scale=d ** -0.5)
+    assert dispatch._gluon_covers(q, k, v, backward=True), "the Gluon backward is routed for these rows"
     monkeypatch.setattr(gluon_backward, "covers", lambda *args: False)  # flash.py's own kernels
-    want = flash.flash_backward(do, q, k, v, out, lse, table, causal=causal, scale=d ** -0.5)
+    want = dispatch.flash_backward(do, q, k, v, out, lse, table, causal=causal, scale=d ** -0.5)
     for z, (q_row0, q_count, _q_pos0, k_row0, kv_len, _window) in enumerate(table.info.cpu().tolist()):
         for name, i, sl in (("dq", 0, slice(q_row0, q_row0 + q_count)), ("dk", 1, slice(k_row0, k_row0 + kv_len)),
                             ("dv", 2, slice(k_row0, k_row0 + kv_len))):
@@ -290,16 +290,16 @@ def test_gpu_a_neighbours_nan_does_not_reach_a_sequence(d):
     Planted: the same call with the NaNs in the first sequence's own rows makes its gradients NaN."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is written for Hopper (sm_90a)")
-    from rl_engine.kernels.ops.triton.attention import flash
+    from rl_engine.kernels.ops.triton.attention import dispatch
     from rl_engine.kernels.ops.triton.attention.attention import _packed_table
 
     def grads(q, k, v, do, lengths):
         table = _packed_table(sum(lengths), torch.tensor([0] + lengths).cumsum(0), "cuda")
-        out, lse = flash.flash_forward(q, k, v, table, causal=True, scale=d ** -0.5)
-        return (out, *flash.flash_backward(do, q, k, v, out, lse, table, causal=True, scale=d ** -0.5))
+        out, lse = dispatch.flash_forward(q, k, v, table, causal=True, scale=d ** -0.5)
+        return (out, *dispatch.flash_backward(do, q, k, v, out, lse, table, causal=True, scale=d ** -0.5))
 
     q, k, v, do = (_bf16(200, h, d, seed=i, device="cuda") for i, h in enumerate((8, 2, 2, 8)))
-    assert flash._gluon_covers(q, k, v, backward=True)
+    assert dispatch._gluon_covers(q, k, v, backward=True)
     alone = grads(q[:70], k[:70], v[:70], do[:70], [70])
     for t in (q, k, v, do):
         t[70:] = float("nan")

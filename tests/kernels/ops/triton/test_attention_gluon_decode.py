@@ -72,7 +72,8 @@ def test_gpu_gives_the_bits_of_flash_tiles_and_of_the_prefill(monkeypatch, head_
     and the prefill: equal bits, over lengths that leave a split 1-5 blocks (the walk's odd and even tails), at 8
     query columns (one query per step) and 16 (three)."""
     from rl_engine.kernels.ops.triton.attention import gluon_decode, triton_attention, triton_kv_cache_attention
-    from rl_engine.kernels.ops.triton.attention.flash import default_scale, flash_forward
+    from rl_engine.kernels.ops.triton.attention.contract import default_scale
+    from rl_engine.kernels.ops.triton.attention.dispatch import flash_forward
     from rl_engine.kernels.ops.triton.attention.kv_cache_attention import kv_cache_table
 
     monkeypatch.setattr(gluon_decode, "PARTS", parts)

@@ -9,11 +9,11 @@ import torch
 from rl_engine.kernels.ops.triton.activation.silu import _silu_fake, silu, silu_backward_op, silu_op
 from rl_engine.kernels.ops.triton.activation.swiglu import swiglu, swiglu_backward_op, swiglu_op
 from rl_engine.kernels.ops.triton.attention.attention import triton_attention
-from rl_engine.kernels.ops.triton.attention.flash import (
+from rl_engine.kernels.ops.triton.attention.contract import sequence_table
+from rl_engine.kernels.ops.triton.attention.dispatch import (
     flash_attention,
     flash_attention_backward_op,
     flash_attention_op,
-    sequence_table,
 )
 from rl_engine.kernels.ops.triton.embedding.embedding import embedding, embedding_backward_op, embedding_op
 from rl_engine.kernels.ops.triton.linear.lm_head import lm_head_op

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rl_engine.checks.testing import assert_never_quieter
 from rl_engine.kernels.ops.pytorch.attention.kv_cache_attention import NativeKvCacheAttentionOp
 from rl_engine.kernels.ops.triton.attention import TritonKvCacheAttentionOp, triton_kv_cache_attention
 from rl_engine.kernels.ops.triton.runtime import dot_fp32
-from rl_engine.testing import assert_never_quieter
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
@@ -109,7 +109,7 @@ def test_bad_inputs_name_the_input():
 
 
 def test_the_table_kernel_builds_the_torch_table():
-    from rl_engine.kernels.ops.triton.attention import flash
+    from rl_engine.kernels.ops.triton.attention import contract
     from rl_engine.kernels.ops.triton.attention.kv_cache_attention import kv_cache_table
 
     sq, smax = 2, 12
@@ -117,7 +117,7 @@ def test_the_table_kernel_builds_the_torch_table():
     got = kv_cache_table(lengths.to(DEVICE), sq, smax, DEVICE)
     n = lengths.clamp(0, smax).int()
     b = torch.arange(len(lengths), dtype=torch.int32)
-    want = flash.sequence_table(b * sq, torch.full_like(n, sq), n - sq, b * smax, n, max_q_count=sq, max_kv_len=smax)
+    want = contract.sequence_table(b * sq, torch.full_like(n, sq), n - sq, b * smax, n, max_q_count=sq, max_kv_len=smax)
     assert torch.equal(got.info.cpu(), want.info)
     assert (got.max_q_count, got.max_kv_len) == (sq, smax)
 

@@ -140,8 +140,8 @@ def test_the_interpreters_fp32_dot_gives_a_row_the_same_bits_at_any_position(mon
 # --- devices: a Triton op refuses tensors it cannot read, in one line, before any kernel runs (#56) ------------
 
 def _triton_op_and_inputs(op):
-    from rl_engine.kernels.gtest.operator_inputs import OperatorDims
-    from rl_engine.kernels.gtest.operator_specs import make_candidate, make_operator_case
+    from rl_engine.checks.operators.operator_inputs import OperatorDims
+    from rl_engine.checks.operators.operator_specs import make_candidate, make_operator_case
 
     dims = OperatorDims(batch=1, seq=2, vocab=17, normalized_dim=8, intermediate=8, n_heads=2, n_kv_heads=1,
                         head_dim=4, k_dim=8, n_dim=8, experts=2)

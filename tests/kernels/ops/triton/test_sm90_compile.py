@@ -107,9 +107,9 @@ def _mma_rows(kind: str, case: str) -> int:
     Smaller tiles can win (head_dim 256's 32x32 dK/dV tiles, measured on the H200) and use mma.sync."""
     import torch
 
-    from rl_engine.kernels.ops.triton.attention import flash
+    from rl_engine.kernels.ops.triton.attention import contract
 
-    config = flash.attention_config(torch.bfloat16, int(case.split("/")[1]))
+    config = contract.attention_config(torch.bfloat16, int(case.split("/")[1]))
     return config.backward_dkdv.block_n if kind == "dkdv" else getattr(
         config, "backward_dq" if kind == "dq" else "forward").block_m
 

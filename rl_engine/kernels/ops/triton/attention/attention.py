@@ -17,13 +17,8 @@ from __future__ import annotations
 import torch
 
 from rl_engine.kernels.ops.pytorch.attention.attention import NativeAttentionOp, check_heads
-from rl_engine.kernels.ops.triton.attention.flash import (
-    NO_WINDOW,
-    SequenceTable,
-    default_scale,
-    flash_attention,
-    sequence_table,
-)
+from rl_engine.kernels.ops.triton.attention.contract import NO_WINDOW, SequenceTable, default_scale, sequence_table
+from rl_engine.kernels.ops.triton.attention.dispatch import flash_attention
 from rl_engine.kernels.ops.triton.runtime import check_devices
 
 

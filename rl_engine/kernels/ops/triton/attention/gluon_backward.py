@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from rl_engine.kernels.ops.triton.attention import gluon_forward
-from rl_engine.kernels.ops.triton.attention.flash import LOG2_E, NO_WINDOW, attention_config
+from rl_engine.kernels.ops.triton.attention.contract import LOG2_E, NO_WINDOW, attention_config
 from rl_engine.kernels.ops.triton.attention.gluon_compat import async_load
 from rl_engine.kernels.ops.triton.attention.gluon_forward import (
     BLOCK_M,

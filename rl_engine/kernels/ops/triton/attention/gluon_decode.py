@@ -56,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from rl_engine.kernels.ops.triton.attention import flash, gluon_forward
-from rl_engine.kernels.ops.triton.attention.flash import _NO_WINDOW, COMBINE_BLOCK_R, LOG2_E, attention_config
+from rl_engine.kernels.ops.triton.attention.contract import _NO_WINDOW, COMBINE_BLOCK_R, LOG2_E, attention_config
 from rl_engine.kernels.ops.triton.attention.gluon_compat import async_load
 from rl_engine.kernels.ops.triton.attention.gluon_forward import (
     M_INIT,

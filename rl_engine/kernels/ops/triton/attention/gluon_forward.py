@@ -43,12 +43,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from rl_engine.kernels.ops.triton.attention import flash, gluon_compat
-from rl_engine.kernels.ops.triton.attention.flash import LOG2_E, NO_WINDOW, attention_config, default_scale
+from rl_engine.kernels.ops.triton.attention import contract, gluon_compat
+from rl_engine.kernels.ops.triton.attention.contract import LOG2_E, NO_WINDOW, attention_config, default_scale
 from rl_engine.kernels.ops.triton.attention.gluon_compat import async_load
 
 M_INIT = gl.constexpr(-1.0e30)
-RESCALE_ABOVE = gl.constexpr(flash.RESCALE_ABOVE.value)
+RESCALE_ABOVE = gl.constexpr(contract.RESCALE_ABOVE.value)
 NO_WINDOW_C = gl.constexpr(NO_WINDOW)
 BLOCK_M = 64  # rows per consumer warpgroup; keys per block are flash.py's forward BLOCK_N for the head_dim
 # head_dim -> (consumer warpgroups, K ring depth, V ring depth, registers per consumer thread, consumers whose running
@@ -634,7 +634,7 @@ def mock_row_descriptor(rows: int, heads: int, head_dim: int):
 
 
 def gluon_forward(q, k, v, table, *, causal: bool, scale: float | None = None):
-    """flash.flash_forward's contract for the rows it covers (q [R,Hq,D], k/v [Rk,Hkv,D] bf16 rows, a
+    """dispatch.flash_forward's contract for the rows it covers (q [R,Hq,D], k/v [Rk,Hkv,D] bf16 rows, a
     SequenceTable) -> (out [R,Hq,D], lse [R,Hq] fp32 log2); rows no sequence covers are left uninitialised."""
     check_rows(q, k, v)
     rows, hq, d = q.shape

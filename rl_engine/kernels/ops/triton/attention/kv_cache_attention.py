@@ -27,16 +27,14 @@ import triton
 import triton.language as tl
 
 from rl_engine.kernels.ops.pytorch.attention.kv_cache_attention import NativeKvCacheAttentionOp, paged_cache_view
-from rl_engine.kernels.ops.triton.attention.flash import (
+from rl_engine.kernels.ops.triton.attention.contract import (
     MAX_SEQUENCES,
     NO_WINDOW,
     SequenceTable,
-    _aligned,
     attention_config,
     default_scale,
-    flash_attention_op,
-    flash_forward,
 )
+from rl_engine.kernels.ops.triton.attention.dispatch import _aligned, flash_attention_op, flash_forward
 from rl_engine.kernels.ops.triton.runtime import check_devices, interpreting
 
 TABLE_BLOCK = 128  # cache rows per program

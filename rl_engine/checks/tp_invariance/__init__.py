@@ -1,0 +1,1 @@
+"""Tensor-parallel invariance: `harness` holds the cases and comparisons, `check` the `rl-engine check-tp` command."""
