@@ -20,10 +20,13 @@ models built once and kept: ~4 GB of weights for the engine's two profiles, ~4 G
   hf_dynamic    generate() with the default dynamic cache, eager
 Per cell: prefill (prompt in -> first token out), decode steps (the other new_tokens - 1), tokens/s
 during decode (B / mean step), end-to-end tokens/s, peak memory, and, for the engine, where a decode
-step's wall time goes (EngineStats: GPU time between CUDA events around each phase, the engine never
-waiting to time one: forward incl. page tables (attention reads the pages in place), sample incl. lm_head and the
-per-row sampler, logprobs; other = the rest of the step's wall time, in which the GPU waits for the
-host's scheduling and bookkeeping). The engine computes fp32 logprobs of every token (two vocab-wide products per step);
+step's time goes (EngineStats: GPU time between CUDA events around each phase, the engine never waiting
+to time one): decode_graph = the one-graph step (forward incl. paged attention, lm_head, sampler, raw and
+tempered logprobs, the copies in and out); for the eager engine forward, sample (lm_head + sampler) and
+logprobs; other = the rest of the step period, in which the GPU waits for the host. A decode step's period
+is the spacing of CUDA events recorded as each step is launched (no sync: the engine overlaps step t's
+bookkeeping with step t+1 on the GPU); overlapped_steps counts the steps launched that way. The engine computes
+fp32 logprobs of every token (two vocab-wide products per step, beside the lm_head's);
 transformers' greedy `generate` returns none. cell_s: the whole cell's wall time, warm-up included.
 Launch overhead: the last few decode steps run under torch.profiler; GPU time per step = the sum of
 the kernel (and copy) durations it recorded; overhead = 1 - GPU time / wall time of an unprofiled
@@ -228,43 +231,63 @@ def run_engine(model: DecoderModel, cuda_graphs: bool, setup: dict, batch: int, 
     model.ops.recorder.records.clear()
 
     total_prompt = batch * context
-    marks: list[tuple[float, dict]] = []  # (wall time, EngineStats.seconds) at each decode step's start
+    marks: list = []  # (a point in time, EngineStats.seconds) at each decode step's launch
     profiled = _profiled(new_tokens)
     first_profiled = new_tokens - 1 - profiled
     probe = _Probe(device, profiled)
-    step = engine._step
+    # A decode step's start: a CUDA event recorded on the stream as the step is launched (no wait: with decode
+    # graphs the engine launches step t+1 before it reads step t, and a sync here would undo that overlap), so the
+    # spacing of the marks is the GPU timeline's step period, idle gaps included. On a CPU, the wall clock.
+    hook_name = "_launch" if engine.graphs is not None else "_step"
+    hooked = getattr(engine, hook_name)
 
-    def timed_step(running):
+    def mark():
+        if device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def timed(*args):
         if engine.stats.prefill_tokens == total_prompt:  # every prompt is in the cache: a decode step
-            _sync(device)
-            marks.append((time.perf_counter(), dict(engine.stats.seconds)))
+            # the phase totals so far: read (a wait) only before the first decode step, outside the timed spacing
+            marks.append((mark(), None if marks else engine.stats.seconds))
             if len(marks) == first_profiled + 1:
                 probe.start()
-        step(running)
+        return hooked(*args)
 
-    engine._step = timed_step  # instance attribute: the engine's own method stays untouched
+    setattr(engine, hook_name, timed)  # instance attribute: the engine's own method stays untouched
     requests = engine_requests(ids, new_tokens, temperature)
     _sync(device)
+    start = mark()
     t0 = time.perf_counter()
     try:
         out = engine.generate(requests)
         _sync(device)
     finally:
         probe.stop()
-        del engine._step
+        delattr(engine, hook_name)
     if len(marks) != new_tokens - 1:
         raise RuntimeError(f"engine: expected {new_tokens - 1} decode steps, timed {len(marks)}")
     if any(len(c.token_ids) != new_tokens or c.finish_reason != "length" for c in out.values()):
         raise RuntimeError(f"engine: a sequence did not generate exactly {new_tokens} tokens")
-    times = [t for t, _ in marks]
+    if device.type == "cuda":
+        times = [start.elapsed_time(e) / 1e3 for e, _ in marks]
+        prefill_s = times[0]
+    else:
+        times = [t for t, _ in marks]
+        prefill_s = times[0] - t0
     steps_s = [b - a for a, b in zip(times[:first_profiled], times[1 : first_profiled + 1])]
-    row = _decode_figures(batch, times[0] - t0, steps_s, new_tokens)
+    row = _decode_figures(batch, prefill_s, steps_s, new_tokens)
     row.update(_memory(device, before))
-    # where an unprofiled decode step's wall time goes, per step
-    start, end = marks[0][1], marks[first_profiled][1]
-    parts = {k: 1e3 * (end[k] - start[k]) / first_profiled for k in ("forward", "sample", "logprobs")}
+    # where a decode step's time goes, per step: GPU time between events around each phase, summed over every decode
+    # step (the profiled ones included) and read after the run
+    start_totals, end_totals = marks[0][1], engine.stats.seconds
+    parts = {k: 1e3 * (end_totals[k] - start_totals[k]) / len(marks)
+             for k in ("decode_graph", "forward", "sample", "logprobs")}
     row.update({f"{k}_ms": v for k, v in parts.items()})
     row["other_ms"] = row["decode_step_ms"] - sum(parts.values())
+    row["overlapped_steps"] = engine.stats.overlapped_steps
     row.update(probe.summary())
     if row["gpu_ms_per_step"] is not None:
         row["launch_overhead_pct"] = 100 * (1 - row["gpu_ms_per_step"] / row["decode_step_ms_median"])

@@ -22,8 +22,13 @@ With `prefix_sharing`, requests with the same prompt_ids (a GRPO group) prefill 
 waits for one member to cache the prompt, then takes that member's pages for the prompt's first
 len - 1 positions (page refcounts in the cache) and feeds only the last prompt token itself, writing
 it, and everything after, into pages of its own (the shared partial page is copied on write).
-With `cuda_graphs`, the decode forward (+ lm_head) and the raw logprobs replay CUDA graphs captured per
-batch bucket (rl_engine.rollout.decode_graph); prefill chunks stay eager.
+With `cuda_graphs`, a step in which every running sequence decodes is one CUDA graph replay (forward,
+lm_head, sampler, both logprobs: rl_engine.rollout.decode_graph); prefill chunks stay eager. Such a step is
+then overlapped: when the next step would feed the same sequences again (no admission due, no sequence at
+max_new_tokens, pages at hand without eviction), it is launched on the device's sampled tokens before the host
+reads this step's, so the host's bookkeeping of step t runs while the GPU computes step t+1. A sequence that
+samples a stop token at step t has then also run step t+1: that row is dropped (batch invariance: no other
+row sees it), and its pages go back as it finishes.
 
 Parity by construction (triton_bf16): every op a token meets is batch invariant (a row's bits depend on
 its own inputs only), the chunk size, page size and tiles are constants, attention reduces keys in
@@ -99,6 +104,7 @@ class _Running:
     raw: list = field(default_factory=list)
     waits: bool = False  # waits for another member of its prompt group to cache the shared prompt
     shared: int = 0  # prompt positions taken from a member, counted in the stats once it runs
+    retired: bool = False  # finished; a row of it in an overlapped step in flight is dropped
 
     @property
     def id(self) -> int:
@@ -127,7 +133,10 @@ class EngineStats:
     preemptions: int = 0  # sequences evicted to free pages
     recomputed_tokens: int = 0  # cached tokens the evicted sequences had (fed again when they come back)
     shared_prompt_tokens: int = 0  # prompt positions read from a group member's pages instead of prefilled
-    _totals: dict = field(default_factory=lambda: {"forward": 0.0, "sample": 0.0, "logprobs": 0.0})
+    graph_steps: int = 0  # decode steps replayed as one CUDA graph (forward, sampling, logprobs)
+    overlapped_steps: int = 0  # of those, launched before the host had read the previous step's tokens
+    dropped_rows: int = 0  # rows of overlapped steps whose sequence had stopped at the step before
+    _totals: dict = field(default_factory=lambda: {"forward": 0.0, "sample": 0.0, "logprobs": 0.0, "decode_graph": 0.0})
     _pending: list = field(default_factory=list)  # (phase, start, end) CUDA events not yet read
 
     def add(self, phase: str, start, end) -> None:
@@ -330,24 +339,45 @@ class RolloutEngine:
         running: list[_Running] = []
         done: dict[int, Completion] = {}
         step = 0
+        pending = None  # a launched decode graph step whose tokens the host has not read yet
         try:
             with torch.no_grad():
                 while waiting or running:
+                    if pending is not None:  # step t's results; step t+1 launched first when it may be
+                        launched = self._overlap(pending, running, waiting, step)
+                        self._settle(pending)
+                        self._retire(running, done)
+                        pending = launched
+                        if launched is not None:
+                            step += 1
+                            self.stats.steps += 1
+                            continue
+                        if not (waiting or running):
+                            break
                     step = self._next_step(step, running, waiting)
                     self._allocate(running, waiting)
                     self._admit(running, waiting, step)
                     self.stats.max_running = max(self.stats.max_running, len(running))
-                    self._step(running)
-                    for seq in [s for s in running if self._finished(s)]:
-                        running.remove(seq)
-                        self.cache.release(seq.id)
-                        done[seq.id] = self._completion(seq)
+                    pending = self._step(running)
+                    if pending is None:
+                        self._retire(running, done)
                     step += 1
                     self.stats.steps += 1
+                if pending is not None:
+                    self._settle(pending)
+                    self._retire(running, done)
         finally:  # an error mid-way leaves no page taken
             for seq_id in list(self.cache.tables):
                 self.cache.release(seq_id)
         return done
+
+    def _retire(self, running: list[_Running], done: dict[int, Completion]) -> None:
+        """Finished sequences leave the batch and give their pages back."""
+        for seq in [s for s in running if self._finished(s)]:
+            running.remove(seq)
+            seq.retired = True
+            self.cache.release(seq.id)
+            done[seq.id] = self._completion(seq)
 
     @staticmethod
     def _next_step(step: int, running: list[_Running], waiting: list[_Running]) -> int:
@@ -435,7 +465,9 @@ class RolloutEngine:
         return self.prefix_sharing and any(s is not seq and s.request.prompt_ids == prompt for s in running + waiting)
 
     # -- one step -------------------------------------------------------------------------------
-    def _step(self, running: list[_Running]) -> None:
+    def _step(self, running: list[_Running]):
+        """Feeds every running sequence its work. Returns the step's decode graph launch, whose results the
+        caller reads (`_settle`), or None when everything ran eagerly and its tokens are recorded."""
         groups: dict[int, list[tuple[_Running, list[int]]]] = {}
         for seq in running:
             if not seq.waits:
@@ -443,10 +475,13 @@ class RolloutEngine:
                 seq.shared = 0
                 work = seq.work(self.chunk_size)
                 groups.setdefault(len(work), []).append((seq, work))
+        launch = None
         for length in sorted(groups):  # sampling is per row: sampling group by group changes no bit
             group = groups[length]
-            graph = length == 1 and self.graphs is not None and all(s.cached + 1 == s.known for s, _ in group)
-            hidden, logits = self._forward(group, graph)
+            if length == 1 and self.graphs is not None and all(s.cached + 1 == s.known for s, _ in group):
+                launch = self._launch([s for s, _ in group], [w[0] for _, w in group])
+                continue
+            hidden = self._forward(group)
             rows, owners = [], []
             for b, (seq, work) in enumerate(group):
                 prompt_part = max(min(len(seq.request.prompt_ids) - seq.cached, len(work)), 0)
@@ -457,20 +492,60 @@ class RolloutEngine:
                     rows.append(b)
                     owners.append(seq)
             if owners:
-                if logits is None:  # (graph steps sample every row, in order)
-                    self._sample(hidden[rows, -1:], owners)
-                else:
-                    self._sample(hidden, owners, logits)
+                self._sample(hidden[rows, -1:], owners)
+        return launch
 
-    def _forward(self, group, graph: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """hidden [n,Sq,H] of the group, and its logits [n,V] when a decode graph computed them."""
+    def _launch(self, owners: list[_Running], tokens: list[int] | None):
+        """One decode graph step of `owners`, each feeding one token (None: the last launch's sampled tokens,
+        on the device) at its position `cached`; launched, not read."""
+        t0 = self._mark()
+        launch = self.graphs.launch([s.id for s in owners], tokens, [s.cached for s in owners],
+                                    [s.request.params for s in owners],
+                                    [s.known + (tokens is None) for s in owners])
+        launch.owners = owners
+        for seq in owners:
+            prompt = seq.cached < len(seq.request.prompt_ids)  # a group member's feed of its last prompt token
+            self.stats.prefill_tokens += prompt
+            self.stats.decode_tokens += not prompt
+            seq.cached += 1
+        self.stats.forwards += 1
+        self.stats.graph_steps += 1
+        self.stats.add("decode_graph", t0, self._mark())
+        return launch
+
+    def _overlap(self, pending, running: list[_Running], waiting: list[_Running], step: int):
+        """Launch the next step on `pending`'s sampled tokens before reading them, when that step would feed the
+        same sequences (unless a stop token ends one: its row is then dropped): no sequence reaches its
+        max_new_tokens, no admission is due, and the pages of the next position come without eviction."""
+        owners = pending.owners
+        if len(owners) != len(running) or any(a is not b for a, b in zip(owners, running)):
+            return None
+        if any(len(s.tokens) + 1 >= s.request.params.max_new_tokens for s in owners):
+            return None
+        if waiting and len(running) < self.max_batch_size and waiting[0].request.arrival <= step:
+            return None
+        if sum(self.cache.write_cost(s.id, s.cached, s.cached + 1) for s in owners) > self.cache.free_pages:
+            return None
+        for seq in owners:
+            self.cache.prepare_write(seq.id, seq.cached, seq.cached + 1)
+        self.stats.overlapped_steps += 1
+        return self._launch(owners, None)
+
+    def _settle(self, launch) -> None:
+        """Reads a decode graph step's tokens and logprobs (the step's one wait) and records them."""
+        tokens, raw, tempered = launch.results()
+        live = [(b, s) for b, s in enumerate(launch.owners) if not s.retired]
+        self.stats.dropped_rows += len(launch.owners) - len(live)
+        check_tokens([tokens[b] for b, _ in live], [s.id for _, s in live])
+        for b, seq in live:
+            seq.tokens.append(tokens[b])
+            seq.logprobs.append(tempered[b])
+            seq.raw.append(raw[b])
+
+    def _forward(self, group) -> torch.Tensor:
+        """hidden [n,Sq,H] of the group, eagerly."""
         t0 = self._mark()
         starts = [s.cached for s, _ in group]
-        if graph:
-            hidden, logits = self.graphs.forward([s.id for s, _ in group], [w[0] for _, w in group], starts)
-            self.stats.forwards += 1
-            self.stats.add("forward", t0, self._mark())
-            return hidden, logits
         tokens = torch.tensor([w for _, w in group], dtype=torch.int64, device=self.device)
         sq = tokens.shape[1]
         positions = torch.tensor(starts, dtype=torch.int64, device=self.device)[:, None] + torch.arange(
@@ -480,14 +555,12 @@ class RolloutEngine:
         hidden = self.model.forward_cached(tokens, positions, self.cache, seqlens)
         self.stats.forwards += 1
         self.stats.add("forward", t0, self._mark())
-        return hidden, None
+        return hidden
 
-    def _sample(self, hidden: torch.Tensor, owners: list[_Running], logits: torch.Tensor | None = None) -> None:
+    def _sample(self, hidden: torch.Tensor, owners: list[_Running]) -> None:
         """hidden [n,1,H]: the last row of each owner; draws its next token and records its logprobs."""
         t0 = self._mark()
-        from_graph = logits is not None
-        if not from_graph:
-            logits = self._logits(hidden)[:, 0]
+        logits = self._logits(hidden)[:, 0]
         params = [s.request.params for s in owners]
         positions = [len(s.request.prompt_ids) + len(s.tokens) for s in owners]
         ids = [s.id for s in owners]
@@ -495,12 +568,8 @@ class RolloutEngine:
         t1 = self._mark()
         # -1 (no token: NaN/+inf logits) is refused below, once the host reads the tokens; the logprob ops
         # must not index with it before that.
-        tokens_in_range = tokens.clamp_min(0)
-        targets = tokens_in_range[:, None]
-        if from_graph:
-            raw = self.graphs.raw_logprobs(tokens_in_range)
-        else:
-            raw = self.model.selected_logprobs(hidden, targets)[:, 0]
+        targets = tokens.clamp_min(0)[:, None]
+        raw = self.model.selected_logprobs(hidden, targets)[:, 0]
         tempered = raw.clone()
         for temperature in sorted({p.temperature for p in params if not p.greedy}):
             rows = torch.tensor([i for i, p in enumerate(params) if p.temperature == temperature], device=self.device)

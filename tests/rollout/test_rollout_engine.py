@@ -79,7 +79,7 @@ def test_phase_times_from_events_are_read_only_when_asked():
     stats.add("forward", start, end)
     stats.add("sample", 0.25, 0.75)  # the CPU's wall clock
     assert not end.waited  # adding never waits for the GPU
-    assert stats.seconds == {"forward": 0.0025, "sample": 0.5, "logprobs": 0.0} and end.waited
+    assert stats.seconds == {"forward": 0.0025, "sample": 0.5, "logprobs": 0.0, "decode_graph": 0.0} and end.waited
     assert stats.seconds["forward"] == 0.0025  # read once, not added twice
     stats.add("logprobs", _FakeEvent(0.0), _FakeEvent(2.0, done=True))  # finished: folded at once
     assert stats._pending == [] and stats.seconds["logprobs"] == 0.002

@@ -74,13 +74,13 @@ def test_graph_padding_rows_that_write_into_a_sequences_pages_are_caught(micro_m
     # Three sequences decode together in the bucket of 4 rows: one padding row.
     engine = RolloutEngine(micro_model(PROFILE), max_batch_size=4, chunk_size=8, page_size=4, cuda_graphs=True)
     assert mismatches(engine.generate(requests([0, 0, 0])), alone)
-    assert (4, 2) in engine.graphs.steps
+    assert (4, 2, 0.8) in engine.graphs.steps  # rows, width, the graph's temperature
 
 
 def test_graph_padding_rows_change_no_bit(micro_model, alone):
     engine = RolloutEngine(micro_model(PROFILE), max_batch_size=4, chunk_size=8, page_size=4, cuda_graphs=True)
     assert not mismatches(engine.generate(requests([0, 0, 0])), alone)
-    assert (4, 2) in engine.graphs.steps  # 3 sequences padded to 4 rows, 2-page tables
+    assert (4, 2, 0.8) in engine.graphs.steps  # 3 sequences padded to 4 rows, 2-page tables, T 0.8 in the graph
 
 
 def test_rollout_logprobs_equal_the_trainer_recompute(micro_model, alone):
@@ -109,3 +109,42 @@ def test_a_sampler_that_sees_the_batch_position_is_caught(micro_model, alone, mo
     batch, chunk, page, arrivals = SCHEDULES["reversed-b3-c3-p4"]
     engine = RolloutEngine(micro_model(PROFILE), max_batch_size=batch, chunk_size=chunk, page_size=page)
     assert mismatches(engine.generate(requests(arrivals)), alone)
+
+
+# Overlap: one temperature (the graph computes every tempered logprob), five new tokens, request 0 stopped early by
+# a stop token, so that an overlapped step runs a row of a sequence that had already stopped.
+OVERLAP = SamplingParams(temperature=0.9, top_k=30, max_new_tokens=5, seed=3)
+
+
+@pytest.fixture(scope="module")
+def overlap_case(micro_model):
+    model = micro_model(PROFILE)
+    first = RolloutEngine(model, max_batch_size=1, chunk_size=8, page_size=4, cuda_graphs=False).generate(
+        [Request(0, PROMPTS[0], OVERLAP)])[0]
+    stop = first.token_ids[1]
+    params = [SamplingParams(temperature=0.9, top_k=30, max_new_tokens=5, seed=3, stop_token_ids=(stop,)), OVERLAP,
+              OVERLAP]
+    reqs = [Request(i, p, params[i]) for i, p in enumerate(PROMPTS)]
+    alone = {r.request_id: RolloutEngine(model, max_batch_size=1, chunk_size=8, page_size=4, cuda_graphs=False)
+             .generate([r])[r.request_id] for r in reqs}
+    assert alone[0].finish_reason == "stop" and len(alone[0].token_ids) <= 2
+    return reqs, alone
+
+
+def test_overlapped_decode_steps_keep_every_bit(micro_model, overlap_case):
+    reqs, alone = overlap_case
+    engine = RolloutEngine(micro_model(PROFILE), max_batch_size=4, chunk_size=8, page_size=4, cuda_graphs=True)
+    assert not mismatches(engine.generate(reqs), alone)
+    stats = engine.stats
+    assert stats.overlapped_steps >= 2 and stats.dropped_rows >= 1, stats  # the stopped sequence's row was dropped
+    assert (4, 2, 0.9) in engine.graphs.steps and not engine.cache.tables  # no page left taken
+
+
+def test_an_overlapped_step_fed_its_inputs_again_is_caught(micro_model, overlap_case, monkeypatch):
+    # Planted bug: a continued launch feeds the previous step's input tokens instead of its sampled tokens.
+    reqs, alone = overlap_case
+    monkeypatch.setattr(decode_graph, "feed_sampled",
+                        lambda step, previous, n: step.tokens[:n, 0].copy_(previous.tokens[:n, 0]))
+    engine = RolloutEngine(micro_model(PROFILE), max_batch_size=4, chunk_size=8, page_size=4, cuda_graphs=True)
+    assert mismatches(engine.generate(reqs), alone)
+    assert engine.stats.overlapped_steps >= 2
