@@ -157,7 +157,7 @@ def test_gpu_qwen3_8b_paged_decode_has_the_contiguous_bits(monkeypatch, batch, c
     # Qwen3-8B's attention (32 query heads on 8 KV heads of 128, bf16), 16-key pages in shuffled order among spare
     # ones, lengths ending in different blocks: the paged step equals the contiguous cache as kv_cache_attention routes
     # it (the Gluon decode on the H200) and through flash.py's kernel. paged-flash: the paged call in flash.py's
-    # kernel (gluon_decode.PAGED off, the default); paged-gluon: in the Gluon decode's page copies (PAGED on).
+    # kernel (gluon_decode.PAGED off); paged-gluon: in the Gluon decode's page copies (PAGED on, the default).
     from rl_engine.kernels.ops.triton.attention import gluon_decode
 
     monkeypatch.setattr(gluon_decode, "PAGED", gluon_paged)

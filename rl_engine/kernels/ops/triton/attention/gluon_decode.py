@@ -72,9 +72,8 @@ L_ROWS = 64  # lᵀ's rows: the ones operand at the tensor cores' smallest M
 HEAD_DIMS = (64, 128)
 STAGES = 6  # K/V blocks in flight, each with its p̃ and alpha: 192 KiB of K/V at head_dim 128
 PARTS = None  # override of head_dim_parts (probes)
-# Paged caches through this kernel (page copies by TMA, `_load`); off: they run flash.py's kernel. Compiled for sm_90a
-# on the CPU, its bits not yet seen on the H200 (tests/kernels/ops/triton/test_kv_cache_attention_paged.py's gpu test).
-PAGED = False
+# Paged caches through this kernel (page copies by TMA, `_load`); off: they run flash.py's kernel (probes compare both).
+PAGED = True
 SOFTMAX_GROUPS = gl.constexpr(3)  # softmax warpgroups, each taking every third block: the kernel's partitions
 
 

@@ -12,8 +12,8 @@ a row's result does not depend on its neighbours. On the H200 a bf16 step at hea
 A paged cache (flash_attn_with_kvcache's: pools [num_blocks, page_block_size, Hkv, D] + block_table
 [B, max_blocks]) is read through the table in the kernel (flash.py's `_key_rows`), never gathered: the same key
 blocks and splits from position 0, so the same bits as the contiguous cache its pages make (Smax = max_blocks ·
-page_block_size). Paged steps run flash.py's kernel; the Gluon decode's page copies take them with
-`gluon_decode.PAGED` on.
+page_block_size). On the H200 the Gluon decode takes paged steps (one TMA copy per page, `gluon_decode.PAGED`);
+elsewhere flash.py's kernel does.
 
 Cached positions at or beyond cache_seqlens[b] are never read (they may hold anything, even NaN).
 Lengths are checked against [Sq, Smax] when cache_seqlens lives on the CPU; on the GPU they are
