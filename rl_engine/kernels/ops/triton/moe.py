@@ -12,8 +12,8 @@ and Triton forms give the same bits on the same device (tests/models/test_moe_ke
 interpreter on the CPU and CUDA on the H200); the model uses this form on CUDA.
 
 The router (softmax over the experts, top-k, renormalisation, and its backward) was about 45 small
-torch launches per layer, forward and backward: at 4096 tokens the layer waited on the host
-(docs/evidence/h200_probe_host_time_76aadd9.log). Here it is one kernel each way, one program per
+torch launches per layer, forward and backward: at 4096 tokens the layer waited on the host.
+Here it is one kernel each way, one program per
 token. Its exp is libdevice's `expf` on the GPU, the function torch's CUDA `exp` calls, and its
 divisions are correctly rounded (`div_rn`), as torch's are; under the interpreter the exp is numpy's,
 which differs from torch's CPU exp in the last bit, so the CPU test swaps numpy's exp into the torch

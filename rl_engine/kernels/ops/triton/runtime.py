@@ -124,8 +124,7 @@ def register_autograd(op, backward, setup_context):
     make: the custom op when torch.compile traces it or on meta tensors and tensor subclasses (FakeTensor, DTensor:
     they know its fake and its dispatch); on plain tensors, an autograd.Function with the op's own implementation,
     setup_context and backward, so the same kernels and bits without the custom op's dispatch. On the H200 (torch
-    2.11) that dispatch with its autograd cost 0.36 ms of host time per attention forward, the Function 0.01 ms
-    (docs/evidence/h200_probe_host_time.log)."""
+    2.11) that dispatch with its autograd cost 0.36 ms of host time per attention forward, the Function 0.01 ms."""
     import torch
 
     op.register_autograd(backward, setup_context=setup_context)
@@ -234,8 +233,8 @@ class SideStream:
     waits for all the caller's stream has queued: a fork and a join, which a CUDA graph capture records
     too. For kernels that read the same inputs and write different outputs (attention's dQ beside dK/dV):
     the same kernels, so the same bits, with each one's tail filled by the other. Not for linear_logp's
-    weight and hidden gradients: each fills the GPU, and side by side they ran no faster (H200, 2026-12-01,
-    docs/evidence/h200_probe_loss_side_stream_bbc63f2.log). Off the GPU everything runs in order."""
+    weight and hidden gradients: each fills the GPU, and side by side they ran no faster (H200, 2026-12-01).
+    Off the GPU everything runs in order."""
 
     def __init__(self, device):
         import torch

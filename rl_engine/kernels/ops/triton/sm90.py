@@ -351,8 +351,7 @@ def ptxas_registers(ptx: str) -> dict:
     """{"registers": per thread, "spill_bytes": spill stores, "serialised_wgmma": ptxas's reason or None} from
     `ptxas -v` on the kernel's PTX: a kernel that spills pays local-memory traffic in its inner loop, and one whose
     wgmma ptxas serialises (C7514/C7515: an accumulator touched by other instructions while its MMA is in flight)
-    waits for every MMA, so tiles can be screened here (a Gluon decode lost 1.37x to it:
-    docs/evidence/h200_probe_decode_gluon.log)."""
+    waits for every MMA, so tiles can be screened here (a Gluon decode lost 1.37x to it)."""
     import re
     import subprocess
     import tempfile

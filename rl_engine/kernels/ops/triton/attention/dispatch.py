@@ -159,8 +159,7 @@ def flash_backward(do, q, k, v, out, lse, table: SequenceTable, *, causal: bool,
                   DOT_FP32=dot_fp32(q.dtype), DOT_PRECISION=dot_precision(q.dtype))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0))
     # The dQ and dK/dV kernels only read q, k, v, dO, lse and delta: the dQ kernel runs beside the other
-    # (SideStream), joined before returning; forward + backward 3-5.5% faster on the H200
-    # (docs/evidence/h200_probe_attention_bwd_streams_36b08a0.log).
+    # (SideStream), joined before returning; forward + backward 3-5.5% faster on the H200.
     side = SideStream(q.device)
     gluon = _gluon_covers(q, k, v, backward=True)  # gluon_backward.py: warp-specialised
     if gluon:

@@ -355,7 +355,7 @@ def _split_combine_kernel(
     d_ok = d < head_dim
     m_t, l_t, acc_t = _fresh_state(BLOCK_R, BLOCK_D)
     # Loads staged ahead of the folds (a batch-1 step's combine is a chain of folds over independent
-    # loads): H200, 57.3 -> 54.6 us at 32k cached, 16 splits (docs/evidence/h200_probe_combine_6682062.log).
+    # loads): H200, 57.3 -> 54.6 us at 32k cached, 16 splits.
     for split in tl.range(0, num_splits, num_stages=4):
         p_off = split * stride_ps + r64 * stride_pr + head * stride_ph
         m = tl.load(PM + p_off, mask=ok, other=M_INIT)

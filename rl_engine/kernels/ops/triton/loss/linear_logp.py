@@ -64,12 +64,11 @@ _GPU_CONFIGS = {
     # to about 4.8x a cuBLAS GEMM. 8192-column chunks gained another 2% for 64 MB more at N = 4096: no.
     # 2026-12-01: the persistent TMA logits kernels: the recompute runs at 0.185 ms per chunk, cuBLAS's
     # speed for that GEMM; DH / DW (0.22 / 0.19 ms, cuBLAS 0.175 / 0.179) are what is left. Making
-    # `_matmul_kernel` persistent with pointer loads made them 4-35x slower
-    # (docs/evidence/h200_probe_persistent_pointer_gemms_7b637bf.log): not that way. DW runs on matmul.py's
+    # `_matmul_kernel` persistent with pointer loads made them 4-35x slower: not that way. DW runs on matmul.py's
     # persistent TMA GEMM instead (3 stages: its TMA-store epilogue does not fit beside 4), 7-13% faster
-    # with the same bits (docs/evidence/h200_probe_linear_logp_gemms_92a36cc.log), in groups of 8 row-tiles
+    # with the same bits, in groups of 8 row-tiles
     # (alone 0.378 vs 0.428 ms a chunk at N = 8192; in the whole step, ABBA, equal at 1024 and 8192 and 3.5%
-    # faster at 4096: ..._dh_tiles_82169a4.log, ..._dw_group_37f1ecc.log). DH's fp32 accumulator read and
+    # faster at 4096). DH's fp32 accumulator read and
     # write is what remains (0.468 vs 0.403 ms a chunk at N = 8192); no other DH tile is faster.
     "16bit": dict(BLOCK_T=128, BLOCK_V=256, BLOCK_H=64, GROUP=16, num_warps=8, num_stages=4, VOCAB_CHUNK=4096,
                   CHUNK_ROWS=4096, DH=_gemm(128, 256, 64, 8, 3), DW=_gemm(128, 256, 64, 8, 3, group=8)),
@@ -95,7 +94,7 @@ def backward_chunk(cfg: dict, rows: int) -> int:
     """Vocabulary columns per backward chunk for `rows` tokens: VOCAB_CHUNK from CHUNK_ROWS rows up, a
     whole multiple of it below, so the [rows, chunk] dlogits buffer is never larger than at CHUNK_ROWS
     rows while a short batch launches fewer kernels (three per chunk; at N = 1024 the H200 backward
-    waited on the host: docs/evidence/h200_probe_linear_logp_tma_host_76aadd9.log). No bit depends on
+    waited on the host). No bit depends on
     the width: chunks start on BLOCK_V and BLOCK_K borders, the hidden gradient's fp32 accumulator
     continues its K loop exactly from one chunk into the next, and every other value belongs to one
     vocabulary row or one tile (test_linear_logp checks widths 1x and 16x)."""
