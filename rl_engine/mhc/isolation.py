@@ -36,6 +36,7 @@ from rl_engine.mhc.contract import LayerContract
 from rl_engine.mhc.trace import OPERATORS
 
 DEFAULT_CASE_TIMEOUT_S = 600.0
+STARTUP_TIMEOUT_S = 300.0  # starting an interpreter and importing torch is not a case; a loaded machine takes seconds
 _MISSING = object()
 _CHILD = "from rl_engine.mhc.isolation import serve; serve()"
 
@@ -172,7 +173,7 @@ class IsolatedProvider:
 
     def __init__(self, spec: str, device="cpu", case_timeout_s: float = DEFAULT_CASE_TIMEOUT_S):
         self.spec, self.device, self.case_timeout_s = spec, torch.device(device), float(case_timeout_s)
-        self.deadline = time.monotonic() + self.case_timeout_s
+        self.deadline = time.monotonic() + max(self.case_timeout_s, STARTUP_TIMEOUT_S)
         self.failed: str | None = None  # why the process is gone, once it is
         ours, theirs = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
@@ -188,7 +189,11 @@ class IsolatedProvider:
         self.pid = self._process.pid
         try:
             hello = self._receive("while starting")
-        except (ProviderTimeout, ProviderGone) as exc:
+        except ProviderTimeout:
+            self.close()
+            raise UsageError(f"cannot construct provider {spec}: no answer within "
+                             f"{max(self.case_timeout_s, STARTUP_TIMEOUT_S):g} s of starting its process") from None
+        except ProviderGone as exc:
             self.close()
             raise UsageError(f"cannot construct provider {spec}: {exc}") from None
         except BaseException:
