@@ -68,9 +68,10 @@ def run(profile: str = "triton_bf16") -> dict:
     grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in model.parameters()])).item()
 
     # Rollout: greedy, through transformers' DynamicCache; each step's final hidden row -> the patched head.
+    # generate's default cache is that DynamicCache (its keyword is past_key_values in 5.17, cache later).
     with torch.no_grad():
-        out = model.generate(a[None], max_new_tokens=4, do_sample=False, cache=transformers.DynamicCache(
-            config=model.config), output_hidden_states=True, return_dict_in_generate=True, pad_token_id=0)
+        out = model.generate(a[None], max_new_tokens=4, do_sample=False, output_hidden_states=True,
+                             return_dict_in_generate=True, pad_token_id=0)
         new = out.sequences[:, 5:]
         rows = torch.cat([step[-1][:, -1:] for step in out.hidden_states], 1)
         rollout = model._rl_engine_patch.head(rows, new)

@@ -253,6 +253,8 @@ class _HfAttention(Attention):
         b, s = hidden_states.shape[0], hidden_states.shape[1]
         positions = position_embeddings.expand(b, s)
         q, k, v = self.project(hidden_states, positions)
+        if cache is None:  # older transformers (5.17) name the layer's cache past_key_values, newer ones cache
+            cache = kwargs.get("past_key_values")
         if cache is not None:
             past = cache.get_seq_length(self.layer_idx)
             k_all, v_all = cache.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx)

@@ -9,7 +9,6 @@ Triton interpreter runs each test in seconds.
 
 import pytest
 import torch
-import transformers  # a dev dependency: its absence is a failure, not a skip
 from test_transformers import decoder, hf_model
 
 from rl_engine.errors import UsageError
@@ -142,9 +141,9 @@ def test_gradients_torch_profile():
 
 
 def _generate(model, prompt, n):
-    return model.generate(prompt, max_new_tokens=n, do_sample=False, cache=transformers.DynamicCache(
-        config=model.config), output_logits=True, output_hidden_states=True, return_dict_in_generate=True,
-        pad_token_id=0)
+    # generate's default cache is a DynamicCache (its keyword is past_key_values in 5.17, cache later).
+    return model.generate(prompt, max_new_tokens=n, do_sample=False, output_logits=True, output_hidden_states=True,
+                          return_dict_in_generate=True, pad_token_id=0)
 
 
 def test_generate_with_dynamic_cache_equals_rollout_and_teacher_forcing_triton():
