@@ -127,6 +127,7 @@ class _Running:
 class EngineStats:
     steps: int = 0
     forwards: int = 0
+    max_forward_tokens: int = 0  # the most tokens one eager forward held (at most max_num_batched_tokens)
     prefill_tokens: int = 0
     decode_tokens: int = 0
     max_running: int = 0
@@ -174,19 +175,22 @@ class _WholeHead:
 class RolloutEngine:
     def __init__(self, model: torch.nn.Module, *, max_batch_size: int = 8, chunk_size: int = 16, page_size: int = 16,
                  num_pages: int = 256, cuda_graphs: bool | None = None, prefix_sharing: bool = True,
-                 preemption: bool = True):
+                 preemption: bool = True, max_num_batched_tokens: int = 8192):
         """cuda_graphs: replay decode steps from CUDA graphs. None: on for a dense model on a GPU. True on a
         CPU runs the graphs' padded static path without capture (what the CPU tests check).
         prefix_sharing: requests with the same prompt_ids prefill it once and share its pages.
         preemption: admit on the pages of a request's first step and evict the newest sequence when the pool
-        runs short (False: admit only when prompt + max_new_tokens of every running sequence fit)."""
+        runs short (False: admit only when prompt + max_new_tokens of every running sequence fit).
+        max_num_batched_tokens: the most tokens one eager forward holds (vLLM's name); prefill chunks beyond it
+        run in further forwards, which bounds the activations' memory and changes no bit (batch invariance)."""
         for name, value in (("max_batch_size", max_batch_size), ("chunk_size", chunk_size),
-                            ("page_size", page_size)):
+                            ("page_size", page_size), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
         self.model = model
         self.max_batch_size = max_batch_size
         self.chunk_size = chunk_size
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.prefix_sharing = bool(prefix_sharing)
         self.preemption = bool(preemption)
         self.device = model.lm_head_weight.device
@@ -481,19 +485,26 @@ class RolloutEngine:
             if length == 1 and self.graphs is not None and all(s.cached + 1 == s.known for s, _ in group):
                 launch = self._launch([s for s, _ in group], [w[0] for _, w in group])
                 continue
-            hidden = self._forward(group)
-            rows, owners = [], []
-            for b, (seq, work) in enumerate(group):
-                prompt_part = max(min(len(seq.request.prompt_ids) - seq.cached, len(work)), 0)
-                self.stats.prefill_tokens += prompt_part
-                self.stats.decode_tokens += len(work) - prompt_part
-                seq.cached += len(work)
-                if seq.cached == seq.known:  # this forward reached its newest token
-                    rows.append(b)
-                    owners.append(seq)
-            if owners:
-                self._sample(hidden[rows, -1:], owners)
+            per_forward = max(1, self.max_num_batched_tokens // length)
+            for first in range(0, len(group), per_forward):
+                self._eager(group[first:first + per_forward])
         return launch
+
+    def _eager(self, group: list[tuple[_Running, list[int]]]) -> None:
+        """One eager forward of the group's work (equal lengths), then sampling for the rows that reached their
+        newest token."""
+        hidden = self._forward(group)
+        rows, owners = [], []
+        for b, (seq, work) in enumerate(group):
+            prompt_part = max(min(len(seq.request.prompt_ids) - seq.cached, len(work)), 0)
+            self.stats.prefill_tokens += prompt_part
+            self.stats.decode_tokens += len(work) - prompt_part
+            seq.cached += len(work)
+            if seq.cached == seq.known:  # this forward reached its newest token
+                rows.append(b)
+                owners.append(seq)
+        if owners:
+            self._sample(hidden[rows, -1:], owners)
 
     def _launch(self, owners: list[_Running], tokens: list[int] | None):
         """One decode graph step of `owners`, each feeding one token (None: the last launch's sampled tokens,
@@ -554,6 +565,7 @@ class RolloutEngine:
         self.cache.bind([s.id for s, _ in group])
         hidden = self.model.forward_cached(tokens, positions, self.cache, seqlens)
         self.stats.forwards += 1
+        self.stats.max_forward_tokens = max(self.stats.max_forward_tokens, tokens.numel())
         self.stats.add("forward", t0, self._mark())
         return hidden
 

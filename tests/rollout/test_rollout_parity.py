@@ -60,6 +60,16 @@ def test_every_schedule_gives_the_bits_of_generating_alone(micro_model, alone, n
     assert not mismatches(got, alone)
 
 
+def test_a_token_budget_splits_prefill_forwards_without_changing_a_bit(micro_model, alone):
+    # max_num_batched_tokens 4 with chunks of 3: one sequence's prefill chunk per forward (3 prompts at once
+    # would hold 9 tokens)
+    engine = RolloutEngine(micro_model(PROFILE), max_batch_size=3, chunk_size=3, page_size=4,
+                           max_num_batched_tokens=4)
+    got = engine.generate(requests([0, 0, 0]))
+    assert engine.stats.max_forward_tokens == 3 and engine.stats.max_running == 3
+    assert not mismatches(got, alone)
+
+
 def test_graph_padding_rows_that_write_into_a_sequences_pages_are_caught(micro_model, alone, monkeypatch):
     # Planted bug: padding rows take the first sequence's page table instead of null pages, so their
     # keys and values overwrite its cache.
