@@ -47,6 +47,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+import triton
 from common import (
     add_ratios,
     arg_parser,
@@ -224,6 +225,34 @@ def sdpa_backend(step, cuda: bool) -> str:
     return sdpa_backend_from_names(names)
 
 
+def path_from_names(names) -> str:
+    """Which of our paths CUDA kernel `names` show: "gluon" when a Gluon kernel ran (the backward's delta pass is
+    flash.py's in both paths), "flash.py" when only flash.py's kernels did, else "unknown (...)"."""
+    low = [n.lower() for n in names]
+    if any("gluon" in n for n in low):
+        return "gluon"
+    if any(n.startswith(("_flash_", "_split_combine")) for n in low):
+        return "flash.py"
+    return f"unknown (no attention kernel among {len(low)} names)"
+
+
+def ours_path(step, cuda: bool) -> str:
+    """The path one call of ours ran, from torch.profiler's kernel names; off a GPU only flash.py runs (the
+    interpreter)."""
+    if not cuda:
+        return "flash.py (interpreter)"
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    except Exception as exc:  # noqa: BLE001 - a profiler problem must not lose the timing
+        return f"unknown (profiler: {type(exc).__name__}: {exc})"[:200]
+    return path_from_names(names)
+
+
 # --------------------------------------------------------------------------------------------------
 # prefill
 
@@ -255,6 +284,8 @@ def run_prefill(name, fn, mode, args, flops, gemm_tflops, timer) -> dict:
     result = {"ms": ms, "tflop_per_s": tflops, "pct_gemm": 100 * tflops / gemm_tflops if gemm_tflops else None}
     if name.startswith("sdpa"):
         result["backend"] = sdpa_backend(step, timer.cuda)
+    if name == "triton":
+        result["path"] = ours_path(step, timer.cuda)
     return result
 
 
@@ -300,14 +331,14 @@ def prefill_rows(shapes: Shapes, configs, ours, peers: dict, timer: Timer, gemm_
         k, v = (torch.randn(b, s, shapes.kv_heads, d, device=device, dtype=DTYPE, generator=gen) for _ in range(2))
         flops = causal_forward_flops(b, s, shapes.q_heads, d)
         for mode in MODES:
-            row = {"S": s, "head_dim": d, "B": b, "mode": mode}
+            row = {"S": s, "head_dim": d, "B": b, "mode": mode, "triton_version": triton.__version__}
             for name, fn in {"triton": ours, **peers}.items():
                 if not callable(fn):
                     row[f"{name}_error"] = fn
                     continue
                 result = measure(f"prefill S={s} D={d} {mode} {name}", run_prefill, name, fn, mode, (q, k, v),
                                  FLOP_FACTOR[mode] * flops, gemm_tflops, timer)
-                for key in ("ms", "tflop_per_s", "pct_gemm", "backend", "error"):
+                for key in ("ms", "tflop_per_s", "pct_gemm", "backend", "path", "error"):
                     if result.get(key) is not None:
                         row[f"{name}_{key}"] = result[key]
             if mode == "forward":
@@ -335,6 +366,8 @@ def run_decode(name, fn, args, timer) -> dict:
     result = {"ms": timer.ms(step)}
     if name.startswith("sdpa"):
         result["backend"] = sdpa_backend(step, timer.cuda)
+    if name == "triton":
+        result["path"] = ours_path(step, timer.cuda)
     try:
         result["graph_ms"] = timer.graph_ms(step)
     except Exception as exc:  # noqa: BLE001 - a step that cannot be captured is a finding, not a crash
@@ -370,7 +403,7 @@ def decode_rows(shapes: Shapes, batches, cache_lens, ours, peers: dict, timer: T
     rows, d = [], shapes.decode_head_dim
     for b in batches:
         for n in cache_lens:
-            row = {"batch": b, "cached": n}
+            row = {"batch": b, "cached": n, "triton_version": triton.__version__}
             try:
                 q = torch.randn(b, 1, shapes.q_heads, d, device=device, dtype=DTYPE)
                 k_cache, v_cache = (torch.randn(b, n, shapes.kv_heads, d, device=device, dtype=DTYPE) for _ in "kv")
@@ -384,8 +417,9 @@ def decode_rows(shapes: Shapes, batches, cache_lens, ours, peers: dict, timer: T
                 result = measure(f"decode B={b} cached={n} {name}", run_decode, name, fn,
                                  (q, k_cache, v_cache, lengths), timer)
                 record_bandwidth(row, name, result, kv_bytes, copy_gbps)
-                if result.get("backend"):
-                    row[f"{name}_backend"] = result["backend"]
+                for key in ("backend", "path"):
+                    if result.get(key):
+                        row[f"{name}_{key}"] = result[key]
                 for key in ("graph_ms", "graph_error"):
                     if result.get(key) is not None:
                         row[f"{name}_{key}"] = result[key]
@@ -530,11 +564,13 @@ def main(argv=None) -> int:
     save("consistency", consistency)
 
     print(f"\nprefill (causal, B*S = {shapes.tokens} tokens); ratio = peer ms / triton ms")
-    print_table(prefill, ["S", "head_dim", "B", "mode", "triton_ms", "triton_tflop_per_s", "triton_pct_gemm"]
+    print_table(prefill, ["S", "head_dim", "B", "mode", "triton_path", "triton_version", "triton_ms",
+                          "triton_tflop_per_s", "triton_pct_gemm"]
                 + [c for p in PEERS for c in (f"{p}_tflop_per_s", f"ratio_vs_{p}")]
                 + ["sdpa_backend", "fastest_peer", "ratio_vs_fastest", "goal", "goal_status"])
     print("\ndecode (1 query per row); GB/s of K/V read; ratio = peer ms / triton ms")
-    print_table(decode, ["batch", "cached", "triton_ms", "triton_gb_per_s", "triton_pct_copy", "sdpa_ms",
+    print_table(decode, ["batch", "cached", "triton_path", "triton_version", "triton_ms", "triton_gb_per_s",
+                         "triton_pct_copy", "sdpa_ms",
                          "sdpa_gb_per_s", "sdpa_backend", "ratio_vs_sdpa", "triton_graph_ms", "sdpa_graph_ms",
                          "triton_graph_pct_copy", "graph_ratio_vs_sdpa", "goal", "goal_status"])
 

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+import triton
 
 FAKE_FA4 = '''
 import torch.nn.functional as F
@@ -61,6 +62,7 @@ def test_cpu_run_writes_every_row(bench, fake_fa4_site, tmp_path):
             assert row[f"{name}_ms"] > 0 and row[f"{name}_tflop_per_s"] > 0, (key, name)
             assert row[f"ratio_vs_{name}"] > 0 if name != "triton" else True
         assert row["B"] * row["S"] == toy.tokens
+        assert row["triton_path"] == "flash.py (interpreter)" and row["triton_version"] == triton.__version__
         # CPU torch runs its own flash kernel whichever backend is asked for; the profiler names it.
         assert row["sdpa_backend"] == row["sdpa_flash_backend"] == "flash_cpu", row
         assert row["fastest_peer"].split(" ")[0] in bench.PEERS and row["ratio_vs_fastest"] > 0
@@ -77,6 +79,7 @@ def test_cpu_run_writes_every_row(bench, fake_fa4_site, tmp_path):
     for key, row in decode.items():
         assert "error" not in row and "triton_error" not in row and "sdpa_error" not in row, (key, row)
         assert row["triton_ms"] > 0 and row["ratio_vs_sdpa"] > 0 and row["sdpa_backend"] == "flash_cpu"
+        assert row["triton_path"] == "flash.py (interpreter)" and row["triton_version"] == triton.__version__
         assert row["max_abs_diff_vs_sdpa"] <= 0.05, (key, row["max_abs_diff_vs_sdpa"])
     assert decode[(1, toy.quick_cache_lens[0])]["goal_status"] in ("met", "missed")
 
@@ -90,6 +93,17 @@ def test_without_fa4_the_reason_is_recorded(bench, monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # as if absent, even where it is installed
     func, status = bench.load_fa4()
     assert func is None and status.startswith("unavailable: ModuleNotFoundError")
+
+
+@pytest.mark.parametrize("names, path", [
+    ({"gluon_forward_kernel", "aten::empty"}, "gluon"),
+    ({"_flash_backward_delta_kernel", "gluon_dq_kernel", "gluon_dkdv_kernel"}, "gluon"),  # delta is flash.py's
+    ({"_flash_forward_kernel", "_split_combine_kernel"}, "flash.py"),
+    ({"_flash_backward_delta_kernel", "_flash_backward_dq_kernel", "_flash_backward_dkdv_kernel"}, "flash.py"),
+    ({"void at::native::vectorized_elementwise_kernel"}, "unknown"),  # no attention kernel: never a guess
+])
+def test_our_path_is_named_from_the_kernels_that_ran(bench, names, path):
+    assert bench.path_from_names(names).startswith(path)
 
 
 @pytest.mark.parametrize("names, backend", [
