@@ -37,6 +37,14 @@ def _padded(tensors, width, left):
     return out
 
 
+def packed_form(seqs):
+    """Per-sequence outputs [L,Hq,D] of one packed varlen batch."""
+    cu = torch.tensor([0, *torch.tensor([len(s[0]) for s in seqs]).cumsum(0).tolist()], dtype=torch.int32,
+                      device=DEVICE)
+    out = triton_attention(*[torch.cat([s[i] for s in seqs]) for i in range(3)], cu_seqlens=cu)
+    return [out[cu[b]: cu[b + 1]] for b in range(len(seqs))]
+
+
 def prefill_forms(seqs):
     """{form: [per-sequence output [L,Hq,D]]} for alone, left-padded, right-padded and packed batches."""
     lengths = [len(s[0]) for s in seqs]
@@ -48,9 +56,7 @@ def prefill_forms(seqs):
     forms["left_padded"] = [out[b, width - n:] for b, n in enumerate(lengths)]
     out = triton_attention(*[_padded([s[i] for s in seqs], width, left=False) for i in range(3)])
     forms["right_padded"] = [out[b, :n] for b, n in enumerate(lengths)]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    out = triton_attention(*[torch.cat([s[i] for s in seqs]) for i in range(3)], cu_seqlens=cu)
-    forms["packed"] = [out[cu[b]: cu[b + 1]] for b in range(len(seqs))]
+    forms["packed"] = packed_form(seqs)
     return forms
 
 
@@ -100,6 +106,7 @@ def decoded(seqs):
 
 
 def assert_all_forms_bitwise_equal(seqs, chunk=7):
+    """Asserts every form has the bits of the prefill alone; returns the forms (the prefill alone under "alone")."""
     forms = prefill_forms(seqs)
     forms[f"chunked_{chunk}"] = chunked(seqs, chunk)
     forms["decode"] = decoded(seqs)
@@ -109,6 +116,7 @@ def assert_all_forms_bitwise_equal(seqs, chunk=7):
             assert torch.isfinite(got).all(), f"{name}: non-finite output for sequence {b}"
             diff = (got != want).any(dim=(1, 2)).nonzero().flatten().tolist()
             assert not diff, f"{name}: sequence {b} tokens {diff[:10]} differ from the prefill alone"
+    return {"alone": reference, **forms}
 
 
 def _sequence_grads(seqs):
@@ -258,8 +266,9 @@ def test_flat_and_nested_split_loops_give_the_same_bits(monkeypatch):
         monkeypatch.setattr(dispatch, "attention_config", lambda dtype, d, flat=flat: dataclasses.replace(
             config, flat_splits=flat))
         if flat != config.flat_splits:
-            assert_all_forms_bitwise_equal(seqs)
-        results[flat] = prefill_forms(seqs)["packed"]
+            results[flat] = assert_all_forms_bitwise_equal(seqs)["packed"]
+        else:
+            results[flat] = packed_form(seqs)
     for b, (got, want) in enumerate(zip(results[True], results[False])):
         assert torch.equal(got, want), f"sequence {b}: the flat and nested split loops differ"
 

@@ -5,14 +5,10 @@ between Triton releases; the kernels compile under those of gluon_compat.SUPPORT
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import triton
+from one_compile_process import case_result, compile_selected
 
 from rl_engine.kernels.ops.triton.attention import gluon_compat
 
@@ -21,13 +17,20 @@ pytestmark = pytest.mark.skipif(not gluon_compat.supported(),
                                        f"{triton.__version__}")
 
 COMPILE = """
-import json, re, sys
+import re
 from rl_engine.kernels.ops.triton.attention.gluon_forward import compile_for_sm90
 from rl_engine.kernels.ops.triton.sm90 import _summary
-k = compile_for_sm90(causal=sys.argv[1] == "causal", head_dim=int(sys.argv[2]))
-print(json.dumps(dict(_summary(k), warps=k.metadata.num_warps,
-                      target=re.findall(r"^\\.target (\\S+)", k.asm["ptx"], re.M))))
+def compile_case(mask, head_dim):
+    k = compile_for_sm90(causal=mask == "causal", head_dim=head_dim)
+    return dict(_summary(k), warps=k.metadata.num_warps,
+                target=re.findall(r"^\\.target (\\S+)", k.asm["ptx"], re.M))
 """
+
+
+@pytest.fixture(scope="module")
+def forward_compiles(request):
+    """Every selected case of test_compiles_for_the_h200, compiled in one process."""
+    return compile_selected(request, "test_compiles_for_the_h200", COMPILE, lambda p: (p["mask"], p["head_dim"]))
 
 
 def _bf16(*shape, seed=0, device="cpu"):
@@ -88,14 +91,10 @@ def test_flash_backward_routes_its_own_head_dims():
 
 
 @pytest.mark.parametrize("mask, head_dim", [("causal", 64), ("causal", 128), ("full", 128), ("causal", 256)])
-def test_compiles_for_the_h200(mask, head_dim):
+def test_compiles_for_the_h200(forward_compiles, mask, head_dim):
     from rl_engine.kernels.ops.triton.sm90 import H200_SHARED_BYTES
 
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, "-c", COMPILE, mask, str(head_dim)], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = case_result(forward_compiles, (mask, head_dim))
     assert result["target"] == ["sm_90a"] and result["cubin"] > 0
     assert result["wgmma"] > 0 and result["shared"] <= H200_SHARED_BYTES
     from rl_engine.kernels.ops.triton.attention.gluon_forward import SHAPES
@@ -191,26 +190,27 @@ def test_gpu_rows_whose_max_jumps_mid_walk_keep_the_bits(monkeypatch, d):
 
 
 COMPILE_BACKWARD = """
-import json, sys
 from rl_engine.kernels.ops.triton.attention.gluon_backward import compile_for_sm90
-k = compile_for_sm90(causal=sys.argv[1] == "causal", kernel=sys.argv[2], head_dim=int(sys.argv[3]))
-print(json.dumps({"shared": k.metadata.shared, "warps": k.metadata.num_warps,
-                  "wgmma": k.asm["ptx"].count("wgmma.mma_async")}))
+def compile_case(mask, kernel, head_dim):
+    k = compile_for_sm90(causal=mask == "causal", kernel=kernel, head_dim=head_dim)
+    return {"shared": k.metadata.shared, "warps": k.metadata.num_warps, "wgmma": k.asm["ptx"].count("wgmma.mma_async")}
 """
+
+
+@pytest.fixture(scope="module")
+def backward_compiles(request):
+    """Every selected case of test_the_backward_kernels_compile_for_the_h200, compiled in one process."""
+    return compile_selected(request, "test_the_backward_kernels_compile_for_the_h200", COMPILE_BACKWARD,
+                            lambda p: (p["mask"], p["kernel"], p["head_dim"]))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("mask, kernel", [("causal", "dq"), ("full", "dq"), ("causal", "dkdv"), ("full", "dkdv")])
-def test_the_backward_kernels_compile_for_the_h200(mask, kernel, head_dim):
+def test_the_backward_kernels_compile_for_the_h200(backward_compiles, mask, kernel, head_dim):
     from rl_engine.kernels.ops.triton.attention.gluon_backward import DQ_SHAPES
     from rl_engine.kernels.ops.triton.sm90 import H200_SHARED_BYTES
 
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, "-c", COMPILE_BACKWARD, mask, kernel, str(head_dim)], capture_output=True,
-                          text=True,
-                          env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = case_result(backward_compiles, (mask, kernel, head_dim))
     assert result["wgmma"] > 0 and result["shared"] <= H200_SHARED_BYTES
     consumers = DQ_SHAPES[head_dim][0] if kernel == "dq" else 2
     assert result["warps"] == 4 * consumers + 4, "the consumer warpgroups and a producer warp rounded up to a warpgroup"

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 import triton
+from one_compile_process import case_result, compile_selected
 
 from rl_engine.kernels.ops.triton.attention import gluon_compat
 
@@ -19,14 +20,20 @@ pytestmark = pytest.mark.skipif(not gluon_compat.supported(),
                                        f"{triton.__version__}")
 
 COMPILE = """
-import json, sys
 from rl_engine.kernels.ops.triton.attention.gluon_decode import compile_for_sm90
 from rl_engine.kernels.ops.triton.sm90 import ptxas_registers
-k = compile_for_sm90(int(sys.argv[1]), sys.argv[2] == "partial", int(sys.argv[3]), sys.argv[4] == "lengths",
-                     int(sys.argv[5]), int(sys.argv[6]) or None)
-ptx = k.asm["ptx"]
-print(json.dumps({"shared": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"), **ptxas_registers(ptx)}))
+def compile_case(head_dim, mode, parts, seq, qn, page):
+    k = compile_for_sm90(head_dim, mode == "partial", parts, seq == "lengths", qn, page or None)
+    ptx = k.asm["ptx"]
+    return {"shared": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"), **ptxas_registers(ptx)}
 """
+
+
+@pytest.fixture(scope="module")
+def compiles(request):
+    """Every selected case of test_compiles_for_the_h200_without_serialised_wgmma, compiled in one process."""
+    return compile_selected(request, "test_compiles_for_the_h200_without_serialised_wgmma", COMPILE,
+                            lambda p: (p["head_dim"], p["mode"], p["parts"], p["seq"], p["qn"], p["page"]))
 
 
 # page: a paged cache read through its block table (16-key pages: four copies a block)
@@ -34,14 +41,10 @@ print(json.dumps({"shared": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_asy
     (128, "final", 2, "table", 8, 0), (128, "partial", 1, "table", 16, 0), (128, "partial", 2, "lengths", 8, 0),
     (128, "partial", 2, "lengths", 16, 0), (64, "final", 1, "lengths", 8, 0), (64, "partial", 1, "table", 16, 0),
     (128, "partial", 2, "lengths", 8, 16)])
-def test_compiles_for_the_h200_without_serialised_wgmma(head_dim, mode, parts, seq, qn, page):
+def test_compiles_for_the_h200_without_serialised_wgmma(compiles, head_dim, mode, parts, seq, qn, page):
     from rl_engine.kernels.ops.triton.sm90 import H200_SHARED_BYTES
 
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, "-c", COMPILE, str(head_dim), mode, str(parts), seq, str(qn), str(page)],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = case_result(compiles, (head_dim, mode, parts, seq, qn, page))
     assert result["wgmma"] > 0 and 0 < result["shared"] <= H200_SHARED_BYTES, result
     assert result["serialised_wgmma"] is None, f"ptxas serialises the wgmma: {result['serialised_wgmma']}"
     assert result["spill_bytes"] == 0, result

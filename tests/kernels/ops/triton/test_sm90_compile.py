@@ -199,8 +199,16 @@ def test_it_refuses_to_run_under_the_interpreter():
 
 @pytest.fixture(scope="module")
 def ptxas_report():
-    """One run with `ptxas -v` on every kernel (each run also compiles all the GEMMs: one run serves both tests)."""
-    return run_sm90("--registers", "--cases", "bf16/64")
+    """One run with `ptxas -v` on the bf16/64 attention kernels (one run serves both tests). Its --tile is the
+    configured forward tile of bf16/64, so forward and forward_partial compile exactly as `report` compiles them;
+    --tile only skips the GEMMs, whose `ptxas -v` these tests do not read."""
+    import torch
+
+    from rl_engine.kernels.ops.triton.attention import contract
+
+    tile = contract.attention_config(torch.bfloat16, 64).forward
+    return run_sm90("--registers", "--tile", f"{tile.block_m},{tile.block_n},{tile.num_warps},{tile.num_stages}",
+                    "--cases", "bf16/64")
 
 
 def test_serialised_wgmma_is_read_from_ptxas(ptxas_report):
