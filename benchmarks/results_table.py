@@ -220,16 +220,29 @@ def summary(results: Path = RESULTS) -> str:
                     f"torch.compile {_ms(mhc['compiled_ms'])}", f"{1 / mhc['triton_over_compiled']:.2f}×",
                     _goal("≤ 1.5× torch.compile's time", mhc["within_goal_1.5x"]), "mhc"))
 
-    ro = load("rollout")
-    batch = ro["goals"]["min_batch"]  # the goal's smallest batch, at the shortest context measured there
-    context = min(r["context"] for r in ro["rows"] if r["batch"] == batch and r["peer"] == "triton_bf16")
-    ours = _one(ro["rows"], peer="triton_bf16", batch=batch, context=context)["decode_tok_s"]
-    theirs, peer = max((_one(ro["rows"], peer=p, batch=batch, context=context)["decode_tok_s"], p)
-                       for p in ("hf_static", "hf_dynamic"))
-    goal = ro["goals"]["speedup_vs_hf"]
-    out.append(_row(f"rollout decode, {ro['model']}, batch {batch}, {context // 1024}k context", f"{ours:.0f} tok/s",
-                    f"{PEERS[peer]} {theirs:.0f} tok/s", f"{ours / theirs:.2f}×",
-                    _goal(f"≥ {goal:g}× transformers at batch ≥ {batch}", ours / theirs >= goal), "rollout"))
+    ro = load("rollout_h100")  # full depth; the H200 could not be had when it ran
+    batch = ro["goals"]["min_batch"]  # the speed goal's smallest batch, at the shortest context measured there
+    context = min(r["context"] for r in ro["rows"] if r["batch"] == batch and r["peer"] == "hf_static")
+    ours = _one(ro["rows"], peer="triton_bf16", batch=batch, context=context)
+    theirs = _one(ro["rows"], peer="hf_static", batch=batch, context=context)["decode_tok_s"]
+    speed, floor = ro["goals"]["speedup_vs_hf"], ro["goals"]["floor_x"]
+    out.append(_row(f"rollout decode, {ro['model']} ({ro['layers']} layers), batch {batch}, {context // 1024}k "
+                    f"context, **H100**", f"{ours['decode_tok_s']:.0f} tok/s",
+                    f"{PEERS['hf_static']} {theirs:.0f} tok/s", f"{ours['decode_tok_s'] / theirs:.2f}×",
+                    _goal(f"≥ {speed:g}× transformers at batch ≥ {batch}", ours["decode_tok_s"] / theirs >= speed)
+                    + "; " + _goal(f"≤ {floor:g}× the byte floor: {ours['floor_x']:.2f}×", ours["floor_x"] <= floor),
+                    "rollout_h100"))
+
+    grpo = load("rollout_grpo_h100")
+    w, rows = grpo["workload"], {r["peer"]: r for r in grpo["rows"]}
+    ours, hf = rows["triton_bf16"], rows["hf_generate"]
+    kl = grpo["bits"]["triton_bf16"]["metrics"]["rollout_corr/kl"]
+    out.append(_row(f"GRPO rollout, {w['prompts']} prompts × {w['samples']}, {w['prompt_len']} + {w['new_tokens']} "
+                    f"tokens, T={w['temperature']:g}, **H100**", f"{ours['tok_s']:.0f} tok/s",
+                    f"HF generate, {hf.get('cache', 'static')} cache {hf['tok_s']:.0f} tok/s",
+                    f"{ours['tok_s'] / hf['tok_s']:.2f}×",
+                    _goal(f"rollout_corr/kl vs the trainer: {kl:g}", kl == 0) + "; "
+                    + _goal("peak ≤ weights + KV + 2 GiB", ours["memory_goal_met"]), "rollout_grpo_h100"))
 
     ts = load("transformers_step")
     r = _one(ts["ratios"], impl="rl_engine", mode="compiled", shape="1x8192", task="train")
