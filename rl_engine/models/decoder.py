@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rl_engine.kernels.ops.triton.linear.matmul import fused_keeps_bits
 from rl_engine.models.config import EXPERT_ROLES, ModelConfig
 from rl_engine.models.families import get_family
 from rl_engine.models.moe import local_experts, moe_block
@@ -137,10 +138,47 @@ class DecoderModel:
         return self.ops("rms_norm", node, {"eps": self.config.rms_norm_eps}, x=x, weight=self._weight(role, layer))
 
     def _linear(self, node, x, role, layer):
-        y = self.ops("matmul", node, a=x, b=self._weight(role, layer).t())
+        return self._bias(self.ops("matmul", node, a=x, b=self._weight(role, layer).t()), role, layer)
+
+    def _bias(self, y, role, layer):
         if self.family.qkv_bias and role in ("q_proj", "k_proj", "v_proj"):
             y = y + self._weight(role[0] + "_bias", layer)
         return y
+
+    def _projections(self, prefix, x, roles, layer) -> list:
+        """x's projections by `roles` (nodes `prefix`.role): ONE matmul, node `prefix`.<roles joined by +>, when
+        their weights are consecutive rows of one buffer (`pack_projections`) and the Triton matmul gives each
+        part's columns their own product's bits (`fused_keeps_bits`); else one matmul each. The parts are views."""
+        fused = self._stacked(roles, layer)
+        if fused is None:
+            return [self._linear(f"{prefix}.{r}", x, r, layer) for r in roles]
+        weight, rows = fused
+        y = self.ops("matmul", f"{prefix}.{'+'.join(roles)}", a=x, b=weight.t())
+        return [self._bias(part, r, layer) for part, r in zip(y.split(rows, dim=-1), roles)]
+
+    # The tensor-parallel decoder splits each projection over its ranks (its own `_linear`): never stacked there.
+    stack_projections = True
+
+    def _stacked(self, roles, layer):
+        """(one [sum N, K] view over the roles' weights, their row counts), or None where one product would not
+        be each part's product (see `_projections`)."""
+        ws = [self._weight(r, layer) for r in roles]
+        first, k = ws[0], ws[0].shape[-1]
+        if not self.stack_projections or self.ops.profile.backend("matmul") != "triton":
+            return None  # cuBLAS picks its kernel by N: a stacked product's bits are not the parts'
+        if torch.is_grad_enabled() and any(w.requires_grad for w in ws):
+            return None  # each parameter gets its own gradient
+        offset = first.storage_offset()
+        for w in ws:
+            if (w.dim() != 2 or w.stride() != (k, 1) or w.dtype != first.dtype or w.device != first.device
+                    or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                    or w.storage_offset() != offset):
+                return None
+            offset += w.shape[0] * k
+        rows = [w.shape[0] for w in ws]
+        if not fused_keeps_bits(first.dtype, rows, k):
+            return None
+        return first.as_strided((sum(rows), k), (k, 1)), rows
 
     def _head_norm(self, node, x, role, layer):
         b, s, h, d = x.shape
@@ -153,9 +191,10 @@ class DecoderModel:
         c, p = self.config, f"model.layers.{i}"
         b, s = h.shape[0], h.shape[1]
         x = self._norm(f"{p}.input_layernorm", h, "input_norm", i)
-        q = self._linear(f"{p}.self_attn.q_proj", x, "q_proj", i).view(b, s, c.num_heads, c.head_dim)
-        k = self._linear(f"{p}.self_attn.k_proj", x, "k_proj", i).view(b, s, c.num_kv_heads, c.head_dim)
-        v = self._linear(f"{p}.self_attn.v_proj", x, "v_proj", i).view(b, s, c.num_kv_heads, c.head_dim)
+        q, k, v = self._projections(f"{p}.self_attn", x, ("q_proj", "k_proj", "v_proj"), i)
+        q = q.reshape(b, s, c.num_heads, c.head_dim)
+        k = k.reshape(b, s, c.num_kv_heads, c.head_dim)
+        v = v.reshape(b, s, c.num_kv_heads, c.head_dim)
         if self.family.qk_norm:
             q = self._head_norm(f"{p}.self_attn.q_norm", q, "q_norm", i)
             k = self._head_norm(f"{p}.self_attn.k_norm", k, "k_norm", i)
@@ -167,8 +206,7 @@ class DecoderModel:
         if c.sparse_layer(i):
             experts = local_experts(self.ops, f"{p}.mlp", *(self._weight(role, i) for role in EXPERT_ROLES))
             return h + moe_block(self.ops, f"{p}.mlp", x, self._weight("router", i), c.moe, experts)
-        gate = self._linear(f"{p}.mlp.gate_proj", x, "gate_proj", i)
-        up = self._linear(f"{p}.mlp.up_proj", x, "up_proj", i)
+        gate, up = self._projections(f"{p}.mlp", x, ("gate_proj", "up_proj"), i)
         m = self.ops("swiglu", f"{p}.mlp.swiglu", gate=gate, up=up)
         return h + self._linear(f"{p}.mlp.down_proj", m, "down_proj", i)
 

@@ -117,6 +117,29 @@ def synthetic_weights(config: ModelConfig, seed: int, *, device="cpu", dtype=tor
     return weights
 
 
+# Projections of one input whose weights `pack_projections` stacks by rows, so that a layer runs each group as one
+# product (DecoderModel._projections): at small M one wide product streams the weights faster than three narrow ones.
+PACKED_ROLES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def pack_projections(weights: dict, config: ModelConfig) -> dict:
+    """A new dict in which each layer's q/k/v and gate/up weights are row views of one buffer (copied there); every
+    other tensor is the same object. For a model that generates (the rollout engine's): a trainer's parameters stay
+    separate tensors. `update_weights` writes into the views in place."""
+    family = get_family(config.family)
+    packed = dict(weights)
+    for i in range(config.num_layers):
+        for roles in PACKED_ROLES:
+            names = [family.weight_name(role, i) for role in roles]
+            if not all(n in weights for n in names):  # a sparse layer has no dense gate/up
+                continue
+            parts = [weights[n] for n in names]
+            buffer = torch.cat(parts)
+            rows = [t.shape[0] for t in parts]
+            packed.update(zip(names, buffer.split(rows)))
+    return packed
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     flat = t.detach().contiguous().view(-1)
     as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]

@@ -97,6 +97,8 @@ class TensorParallelDecoder(DecoderModel):
         weights = load_hf_checkpoint(path, config, device=device, part=weight_part(config, group, ops.profile.name))
         return cls(config, weights, group, ops)
 
+    stack_projections = False  # each projection is split over the ranks by its own rule (_linear)
+
     def _linear(self, node, x, role, layer):
         w = self._weight(role, layer)
         if role in ROW_PARALLEL:

@@ -1,11 +1,17 @@
 """Bitwise parity under triton_bf16 (Triton interpreter on a CPU): every sequence's tokens and logprobs
 are the same in any schedule as generated alone, and equal the trainer's packed teacher-forced recompute."""
 
+import dataclasses
+
 import pytest
 import torch
 
+import rl_engine.kernels.ops.triton.linear.matmul as matmul
+import rl_engine.models.decoder as decoder
 import rl_engine.rollout.decode_graph as decode_graph
 import rl_engine.rollout.engine as engine_module
+from rl_engine.checks.forward_invariance.harness import build_model
+from rl_engine.models.weights import pack_projections
 from rl_engine.rollout import Request, RolloutEngine, SamplingParams, tempered_logprobs
 from rl_engine.rollout.sampling import sample
 from rl_engine.workload.layouts import Sample, pack
@@ -68,6 +74,68 @@ def test_a_token_budget_splits_prefill_forwards_without_changing_a_bit(micro_mod
     got = engine.generate(requests([0, 0, 0]))
     assert engine.stats.max_forward_tokens == 3 and engine.stats.max_running == 3
     assert not mismatches(got, alone)
+
+
+QKV, GATE_UP = "model.layers.0.self_attn.q_proj+k_proj+v_proj", "model.layers.0.mlp.gate_proj+up_proj"
+
+
+def _stacked_run(micro_config, micro_weights):
+    """Generation on a model whose q/k/v and gate/up are row views of one buffer each, and the nodes it ran."""
+    model = build_model(micro_config, pack_projections(micro_weights, micro_config), PROFILE)
+    got = RolloutEngine(model, max_batch_size=3, chunk_size=3, page_size=4, cuda_graphs=True).generate(
+        requests([0, 0, 0]))
+    return got, {r.node for r in model.ops.recorder.records}
+
+
+def test_stacked_projections_run_as_one_product_with_the_bits_of_each(micro_config, micro_weights, alone):
+    got, nodes = _stacked_run(micro_config, micro_weights)
+    assert {QKV, GATE_UP} <= nodes and "model.layers.0.self_attn.k_proj" not in nodes
+    assert not mismatches(got, alone)
+
+
+def test_a_stacked_product_that_would_walk_k_otherwise_is_refused(micro_config, micro_weights, alone, monkeypatch):
+    # Planted: gate+up (N = 128) gets a config of BLOCK_K 8 where its parts walk K by 16: two products run.
+    def other_k(rule):
+        def config(dtype, n, k):
+            found = rule(dtype, n, k)
+            if n != 2 * micro_config.intermediate_size:
+                return found
+            if isinstance(found, matmul.SmallMConfig):
+                return matmul.SmallMConfig(found.max_m, dataclasses.replace(found.config, block_k=8))
+            return dataclasses.replace(found, block_k=8)
+        return config
+
+    monkeypatch.setattr(matmul, "matmul_config", other_k(matmul.matmul_config))
+    monkeypatch.setattr(matmul, "small_m_config", other_k(matmul.small_m_config))
+    monkeypatch.setattr(matmul, "_plans", {})
+    got, nodes = _stacked_run(micro_config, micro_weights)
+    assert QKV in nodes and GATE_UP not in nodes and "model.layers.0.mlp.up_proj" in nodes
+    assert not mismatches(got, alone)
+
+
+def test_views_out_of_order_run_apart_and_a_swapped_split_is_caught(micro_config, micro_weights, alone, monkeypatch):
+    gate, up = (f"model.layers.0.mlp.{r}.weight" for r in ("gate_proj", "up_proj"))
+    swapped = dict(micro_weights)
+    swapped[up], swapped[gate] = torch.cat([micro_weights[up], micro_weights[gate]]).split(
+        [micro_weights[up].shape[0], micro_weights[gate].shape[0]])  # [up; gate]: adjacent, in the other order
+
+    def run():
+        model = build_model(micro_config, swapped, PROFILE)
+        got = RolloutEngine(model, max_batch_size=3, chunk_size=3, page_size=4).generate(requests([0, 0, 0]))
+        return got, {r.node for r in model.ops.recorder.records}
+
+    got, nodes = run()
+    assert GATE_UP not in nodes and not mismatches(got, alone)
+    # Planted: the stacked product taken from the buffer's start, split as if gate came first
+    def stacked(self, roles, layer):
+        if roles != ("gate_proj", "up_proj"):
+            return None
+        w = self._weight("up_proj", layer)
+        return w.as_strided((2 * w.shape[0], w.shape[1]), (w.shape[1], 1)), [w.shape[0]] * 2
+
+    monkeypatch.setattr(decoder.DecoderModel, "_stacked", stacked)
+    got, nodes = run()
+    assert GATE_UP in nodes and mismatches(got, alone)
 
 
 def test_graph_padding_rows_that_write_into_a_sequences_pages_are_caught(micro_model, alone, monkeypatch):

@@ -7,7 +7,7 @@ import torch
 from rl_engine.checks.forward_invariance.harness import build_model
 from rl_engine.models.decoder import DecoderModel
 from rl_engine.models.profiles import ProfileOps, get_profile
-from rl_engine.models.weights import synthetic_weights
+from rl_engine.models.weights import pack_projections, synthetic_weights
 from rl_engine.rollout import Request, RolloutEngine, SamplingParams
 
 # torch_bf16: the fp32 synthetic weights are cast into bf16 tensors, as the constructor casts them.
@@ -65,6 +65,18 @@ def test_generate_after_an_update_equals_a_fresh_engine(micro_config, weights, g
     after = engine.generate(REQUESTS)
     want = RolloutEngine(build_model(micro_config, fresh(new), PROFILE), cuda_graphs=graphs).generate(REQUESTS)
     assert same(after, want) and not same(before, want)
+
+
+def test_an_update_reaches_stacked_projections(micro_config, weights):
+    # pack_projections' q/k/v and gate/up are views of one buffer per layer, run as one product (triton_bf16)
+    old, new = weights
+    engine = RolloutEngine(build_model(micro_config, pack_projections(fresh(old), micro_config), "triton_bf16"),
+                           cuda_graphs=True)
+    engine.update_weights(new.items())
+    after = engine.generate(REQUESTS)
+    assert any("+" in r.node for r in engine.model.ops.recorder.records)  # the stacked products ran
+    want = RolloutEngine(build_model(micro_config, fresh(new), "triton_bf16"), cuda_graphs=True).generate(REQUESTS)
+    assert same(after, want)
 
 
 @pytest.mark.parametrize("planted", [False, True], ids=["refreshed", "planted-stale-fused-copy"])

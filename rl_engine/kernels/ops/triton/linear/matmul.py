@@ -176,6 +176,20 @@ def check_same_reduction_order(large: MatmulConfig, small: MatmulConfig, dtype: 
                          "(multiple of 4) keep the large config's wgmma instructions")
 
 
+def fused_keeps_bits(dtype: torch.dtype, parts: list[int], k: int) -> bool:
+    """Whether one product over weights stacked by rows ([N1; N2; ...], K) gives each part's columns the bits of
+    that part's own product, at every M: every config either may run (large and small-M, fused and parts) walks K
+    in the same BLOCK_K steps through the same kernel (TMA or pointer loads), so an element's arithmetic is the
+    same; only tile widths and the grid differ (`check_same_reduction_order`)."""
+    size = dtype.itemsize
+    configs = []
+    for n in [*parts, sum(parts)]:
+        rule = small_m_config(dtype, n, k)
+        configs += [(c, c.tma and (k * size) % 16 == 0 and (n * size) % 16 == 0)
+                    for c in (matmul_config(dtype, n, k), rule.config if rule is not None else None) if c is not None]
+    return len({(c.block_k, tma) for c, tma in configs}) == 1
+
+
 @triton.jit
 def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Grouped tile order: GROUP_M row-tiles share each column sweep, so b tiles stay in L2."""
