@@ -60,7 +60,7 @@ from rl_engine.models.config import ModelConfig
 from rl_engine.models.decoder import DecoderModel
 from rl_engine.models.families import get_config
 from rl_engine.models.profiles import ProfileOps, get_profile
-from rl_engine.models.weights import synthetic_weights
+from rl_engine.models.weights import pack_projections, synthetic_weights
 from rl_engine.rollout import EngineStats, Request, RolloutEngine, SamplingParams
 
 NAME = "rollout"
@@ -294,6 +294,7 @@ def run_engine(model: DecoderModel, cuda_graphs: bool, setup: dict, batch: int, 
     row["cuda_graphs"] = sorted(engine.graphs.steps) if engine.graphs else None  # (rows, width) captured
     row["pool"] = {"num_pages": num_pages, "page_size": page, "gib": need / 2**30, "chunk_size": setup["chunk_size"]}
     row["ran"] = sorted({f"{r.op}:{r.target}" for r in model.ops.recorder.records})
+    row["stacked_products"] = sorted({r.node.rsplit(".", 1)[-1] for r in model.ops.recorder.records if "+" in r.node})
     if temperature == 0:  # greedy: the peers' first tokens should mostly agree (a wiring check)
         row["first_tokens"] = [out[i].token_ids[0] for i in range(batch)]
     return row
@@ -496,7 +497,8 @@ def main(argv=None) -> int:
     # Every model is built once and kept (the two engine profiles share the weights; transformers holds a
     # copy: 2 x 4.2 GB at this width) so that each cell runs all peers back to back: a run cut short
     # (--budget-s, the device's time limit) still has whole cells to compare.
-    weights = synthetic_weights(config, WEIGHT_SEED, device=device)
+    # as a rollout model holds them: q/k/v and gate/up stacked, one product each (DecoderModel._projections)
+    weights = pack_projections(synthetic_weights(config, WEIGHT_SEED, device=device), config)
     floor_bytes = {(b, c): step_bytes(config, weights, b, c, args.new_tokens) for c, b in cells}
     runners, models = {}, {}
     for peer in [p for p in ENGINE_PEERS if p in args.peers]:

@@ -30,6 +30,7 @@ The JSON is rewritten after every row; --budget-s starts no row after that many 
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import time
 from collections import Counter
@@ -40,7 +41,7 @@ from common import measure, module_version, print_table, save_plot, write_json
 from rollout import SETUPS, WEIGHT_SEED, build_engine_model, hf_model, pool_bytes, pool_pages, prompts
 
 from rl_engine.metrics import rollout_corr_metrics
-from rl_engine.models.weights import synthetic_weights
+from rl_engine.models.weights import pack_projections, synthetic_weights
 from rl_engine.rollout import EngineStats, Request, RolloutEngine, SamplingParams, tempered_logprobs
 from rl_engine.workload.layouts import Sample, pack
 
@@ -194,6 +195,8 @@ def compare(a: dict, b: dict) -> dict:
 def trainer_metrics(model, completions: list, temperature: float, device: torch.device) -> dict:
     """rollout_corr/* of the completions' rollout logprobs against the trainer's packed teacher-forced recompute, in
     micro-batches of about TRAIN_TOKENS (a torch_bf16 forward builds a T x T mask and T x V fp32 logits)."""
+    trainer = copy.copy(model)
+    trainer.stack_projections = False  # a trainer's q/k/v and gate/up are separate parameters: one product each
     samples = [Sample(i, c.prompt_ids + tuple(c.token_ids), len(c.prompt_ids)) for i, c in enumerate(completions)]
     width = max(len(c.token_ids) for c in completions)
     train_rows, rollout_rows, mask = (torch.zeros(len(samples), width, device=device) for _ in range(3))
@@ -204,8 +207,8 @@ def trainer_metrics(model, completions: list, temperature: float, device: torch.
             continue
         layout = pack(micro).to(device)
         with torch.no_grad():
-            hidden = model.forward(layout.token_ids, layout.positions, cu_seqlens=layout.cu_seqlens)[0]
-            train = tempered_logprobs(model, hidden[None], layout.target_ids[0][None], temperature)[0]
+            hidden = trainer.forward(layout.token_ids, layout.positions, cu_seqlens=layout.cu_seqlens)[0]
+            train = tempered_logprobs(trainer, hidden[None], layout.target_ids[0][None], temperature)[0]
         for s, start in zip(micro, layout.cu_seqlens.tolist()):
             i, n = s.sample_id, s.length - s.prompt_len
             train_rows[i, :n] = train[start + s.prompt_len - 1 : start + s.length - 1]  # the slots predicting it
@@ -276,7 +279,8 @@ def main(argv=None) -> int:
             "checks": result.get("checks"), "bits": bits})
 
     ids = prompts(config, args.prompts, args.prompt_len)
-    weights = synthetic_weights(config, WEIGHT_SEED, device=device)
+    # as a rollout model holds them: q/k/v and gate/up stacked, one product each (DecoderModel._projections)
+    weights = pack_projections(synthetic_weights(config, WEIGHT_SEED, device=device), config)
     weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     model = build_engine_model(config, weights, "triton_bf16")
     print(f"{config.name} ({config.num_layers} layers) on {device}: {args.prompts} prompts x {args.samples} samples, "
