@@ -50,7 +50,9 @@ run_stage() {
       local spec=${1#bench-} name args
       name=${spec%%:*}; args=""; [ "$spec" != "$name" ] && args=${spec#*:}
       [[ "$args" == *" "* ]] || args=${args//,/ }
-      stage "$name" 570 python3 "benchmarks/$name.py" --out "$R/bench" $args ;;
+      local log=$name n=2
+      while [ -e "$R/$log.log" ]; do log=$name-$n; n=$((n + 1)); done  # a benchmark run twice keeps both logs
+      stage "$log" 570 python3 "benchmarks/$name.py" --out "$R/bench" $args ;;
     mhc)
       stage mhc-cuda-check 300 python3 scripts/mhc_cuda_check.py --out "$R/evidence" ;;
     tp)
