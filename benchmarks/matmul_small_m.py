@@ -67,7 +67,8 @@ GOAL_PCT_OF_COPY = 85
 DTYPE = torch.bfloat16
 EAGER = {"warmup": 10, "rep": 50}  # do_bench budgets in ms: the whole run must stay under 2 minutes
 GRAPH_REP_MS = 10
-SWEEP_UNTIL_S = 80  # no sweep candidate starts later than this into the run
+SWEEP_UNTIL_S = 80  # no sweep candidate starts later than this into the run (--sweep-until-s)
+SMEM_BYTES = 220 * 1024  # of the 227 KB a block may use on sm90, a margin for the epilogue and barriers
 START = time.perf_counter()
 TIMINGS = {
     "graph (the goal's figure)": f"triton.testing.do_bench_cudagraph median, rep {GRAPH_REP_MS} ms: calls replayed "
@@ -79,13 +80,20 @@ TIMINGS = {
 }
 
 
-def candidates(quick: bool) -> list[MatmulConfig]:
-    """Small-M candidates: the large config's BLOCK_K and instruction family (BLOCK_M 64, 4 warps)."""
-    block_k = matmul_config(DTYPE, 4096, 4096).block_k
-    grid = [(bn, st, p) for bn in (32, 64, 128) for st in (4, 6, 8) for p in (True, False)]
-    if quick:
-        grid = [(bn, st, p) for bn, st, p in grid if st == 6]
-    return [MatmulConfig(64, bn, block_k, group_m=8, num_warps=4, num_stages=st, persistent=p) for bn, st, p in grid]
+def candidates(quick: bool, block_ks: list[int] | None = None) -> list[MatmulConfig]:
+    """Small-M candidates in the large config's instruction family (BLOCK_M 64, 4 warps). BLOCK_K: the large
+    config's, or each of `block_ks` (a multiple of it is the same k16 wgmma chain, longer per step: whether the
+    bits hold is what the sweep's bit check shows) with as many stages as fit shared memory (at most 8)."""
+    if not block_ks:
+        block_k = matmul_config(DTYPE, 4096, 4096).block_k
+        grid = [(bn, block_k, st, p) for bn in (32, 64, 128) for st in (4, 6, 8) for p in (True, False)]
+        if quick:
+            grid = [g for g in grid if g[2] == 6]
+    else:
+        stages = lambda bn, bk: min(8, SMEM_BYTES // ((64 + bn) * bk * DTYPE.itemsize))  # noqa: E731
+        grid = [(bn, bk, stages(bn, bk), p) for bk in block_ks for bn in (32, 64, 128) for p in (True, False)]
+    return [MatmulConfig(64, bn, bk, group_m=8, num_warps=4, num_stages=st, persistent=p)
+            for bn, bk, st, p in grid if st >= 2]
 
 
 def label(cfg: MatmulConfig) -> str:
@@ -251,12 +259,18 @@ def _asdict(cfg) -> dict | None:
 
 
 def main() -> int:
+    global SWEEP_UNTIL_S
     parser = arg_parser("small-M batch-invariant GEMM: bits vs M=4096, weight bandwidth, config sweep")
     parser.add_argument("--no-sweep", action="store_true", help="skip the candidate sweep")
     parser.add_argument("--shapes", type=lambda v: v.split(","), metavar="NAME,NAME",
                         help=f"shapes to run, of {', '.join(SHAPES)} (default: all; --quick: "
                         f"{', '.join(QUICK_SHAPES)})")
+    parser.add_argument("--block-k", type=lambda v: [int(x) for x in v.split(",")], metavar="K,K",
+                        help="sweep these BLOCK_K (stages fitted to shared memory) instead of the large config's")
+    parser.add_argument("--sweep-until-s", type=float, default=SWEEP_UNTIL_S,
+                        help=f"start no sweep candidate after this many seconds (default {SWEEP_UNTIL_S})")
     args = parse_gpu_args(parser)
+    SWEEP_UNTIL_S = args.sweep_until_s
     unknown = sorted(set(args.shapes or []) - set(SHAPES))
     if unknown:
         parser.error(f"--shapes: unknown {', '.join(unknown)}; known: {', '.join(SHAPES)}")
@@ -265,7 +279,7 @@ def main() -> int:
     copy_gbps = copy.get("gb_per_s")
     print(f"copy ceiling {copy_gbps} GB/s", flush=True)
     shapes = args.shapes or (QUICK_SHAPES if args.quick else list(SHAPES))
-    configs = [] if args.no_sweep else candidates(args.quick)
+    configs = [] if args.no_sweep else candidates(args.quick, args.block_k)
     bits, sweep, timing = [], [], []
     for name in shapes:
         print(f"{name}: N={SHAPES[name][0]} K={SHAPES[name][1]}", flush=True)
