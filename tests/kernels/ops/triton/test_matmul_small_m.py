@@ -23,6 +23,7 @@ from rl_engine.kernels.ops.triton.linear.matmul import (
     batch_invariant_mm,
     check_same_reduction_order,
     config_at,
+    fused_keeps_bits,
     small_m_config,
 )
 
@@ -148,9 +149,26 @@ def test_order_changing_gpu_configs_are_refused(change, match):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288)], ids=str)
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 4096), (6144, 4096), (12288, 4096), (4096, 12288)], ids=str)
 def test_gpu_small_m_rows_have_the_bits_of_m_4096(n, k):
     a = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
     assert config_at(torch.bfloat16, n, k, 1) != config_at(torch.bfloat16, n, k, 4096), "two configs ran"
     assert rows_differing(batch_invariant_mm, a, w.t(), [1, 2, 3, 8, 17, 64, 100, 128, 255, 256, 257]) == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("parts", [[4096, 1024, 1024], [12288, 12288]], ids=str)
+def test_gpu_a_stacked_product_gives_each_part_its_own_bits(parts):
+    """Qwen3-8B's q/k/v and gate/up as one product (DecoderModel._projections): each part's columns equal that
+    part's own product at every M the decode and prefill run (their configs differ: fused_keeps_bits says so)."""
+    k = 4096
+    assert fused_keeps_bits(torch.bfloat16, parts, k)
+    a = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(sum(parts), k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    starts = [sum(parts[:i]) for i in range(len(parts))]
+    for m in (1, 3, 64, 128, 255, 256, 4096):
+        fused = batch_invariant_mm(a[:m], w.t())
+        for r, n in zip(starts, parts):
+            alone = batch_invariant_mm(a[:m], w[r : r + n].t())
+            assert torch.equal(fused[:, r : r + n].view(torch.int16), alone.view(torch.int16)), (m, r, n)
