@@ -36,6 +36,8 @@ from common import arg_parser, bench_ms, copy_ceiling, measure, parse_gpu_args, 
 from matmul import gpu_ms, weight_copies  # noqa: E402  (benchmarks/matmul.py: graph replay over weight copies)
 
 from rl_engine.kernels.ops.triton.linear.matmul import (  # noqa: E402
+    SMALL_M_CONFIGS,
+    SMALL_M_OVERRIDES,
     MatmulConfig,
     batch_invariant_mm,
     config_at,
@@ -68,6 +70,8 @@ DTYPE = torch.bfloat16
 EAGER = {"warmup": 10, "rep": 50}  # do_bench budgets in ms: the whole run must stay under 2 minutes
 GRAPH_REP_MS = 10
 SWEEP_UNTIL_S = 80  # no sweep candidate starts later than this into the run (--sweep-until-s)
+MATMUL_SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             "rl_engine", "kernels", "ops", "triton", "linear", "matmul.py")
 SMEM_BYTES = 220 * 1024  # of the 227 KB a block may use on sm90, a margin for the epilogue and barriers
 START = time.perf_counter()
 TIMINGS = {
@@ -204,6 +208,40 @@ def recommend(rows: list[dict]) -> dict:
     return out
 
 
+def apply_overrides(sweep: list[dict], timing: list[dict], path: str = MATMUL_SOURCE) -> list[str]:
+    """--apply: per swept shape, the fastest persistent candidate with equal bits, where it beats the config
+    dispatched now by SWEEP_MARGIN_PCT (geometric mean over SWEEP_BATCH), written into matmul.py's
+    SMALL_M_OVERRIDES (replacing the shape's line, else added). Returns the lines written."""
+    with open(path) as f:
+        text = f.read()
+    head, rest = text.split("SMALL_M_OVERRIDES: ", 1)
+    block, tail = rest.split("\n}\n", 1)
+    written = []
+    for shape in dict.fromkeys(r["shape"] for r in sweep):
+        now = [next((t["ours_ms"] for t in timing if t["shape"] == shape and t["M"] == m and t.get("ours_ms")), None)
+               for m in SWEEP_BATCH]
+        ranked = sorted((r for r in sweep if r["shape"] == shape and r.get("persistent") and _score(r)), key=_score)
+        if not all(now) or not ranked:
+            continue
+        top, n, k = ranked[0], *SHAPES[shape]
+        gain = 100 * (math.prod(now) ** (1 / len(now)) / _score(top) - 1)
+        if gain < SWEEP_MARGIN_PCT or top["group_m"] != 8 or not top["tma"]:
+            continue
+        name = str(DTYPE).removeprefix("torch.")
+        rule = SMALL_M_OVERRIDES.get((name, n, k), SMALL_M_CONFIGS[name])  # the GPU table's, also off a GPU
+        key = f'("{name}", {n}, {k})'
+        line = (f"    {key}: SmallMConfig({rule.max_m if rule else max(BATCH)}, MatmulConfig({top['block_m']}, "
+                f"{top['block_n']}, {top['block_k']}, num_warps={top['num_warps']}, num_stages={top['num_stages']})),"
+                f"  # {shape}")
+        kept = [x for x in block.split("\n") if not x.strip().startswith(key)]
+        block = "\n".join([*kept, line])
+        written.append(f"{line.strip()} ({gain:.0f}% faster than the config dispatched now)")
+    if written:
+        with open(path, "w") as f:
+            f.write(f"{head}SMALL_M_OVERRIDES: {block}\n}}\n{tail}")
+    return written
+
+
 def time_shape(name, a, b, weights, n, k, copy_gbps) -> list[dict]:
     large = matmul_config(DTYPE, n, k)
     rows = []
@@ -269,6 +307,9 @@ def main() -> int:
                         help="sweep these BLOCK_K (stages fitted to shared memory) instead of the large config's")
     parser.add_argument("--sweep-until-s", type=float, default=SWEEP_UNTIL_S,
                         help=f"start no sweep candidate after this many seconds (default {SWEEP_UNTIL_S})")
+    parser.add_argument("--apply", action="store_true",
+                        help="write each swept shape's fastest bit-equal candidate into matmul.py's SMALL_M_OVERRIDES "
+                        f"where it beats the config dispatched now by {SWEEP_MARGIN_PCT}%%")
     args = parse_gpu_args(parser)
     SWEEP_UNTIL_S = args.sweep_until_s
     unknown = sorted(set(args.shapes or []) - set(SHAPES))
@@ -325,7 +366,11 @@ def main() -> int:
         print("\npaste into matmul.py SMALL_M_CONFIGS:\n    " + recommendation.get("table_line", "(none)"))
         for line in recommendation.get("overrides", []):
             print("SMALL_M_OVERRIDES:\n    " + line)
+    applied = apply_overrides(sweep, timing) if args.apply and sweep else []
+    for line in applied:
+        print("applied to matmul.py SMALL_M_OVERRIDES: " + line)
     write_json(args.out, "matmul_small_m", {
+        "applied": applied,
         "dtype": str(DTYPE), "copy": copy, "timings": TIMINGS,
         "table": {s: {"small_m": _asdict(small_m_config(DTYPE, *SHAPES[s])),
                       "large": _asdict(matmul_config(DTYPE, *SHAPES[s]))} for s in shapes},

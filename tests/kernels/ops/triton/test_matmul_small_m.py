@@ -134,6 +134,7 @@ def test_gpu_small_m_table_keeps_the_reduction_order_and_fits(name, n, k, rule):
 
 @pytest.mark.parametrize("change,match", [
     ({"block_k": 32}, "BLOCK_K"),
+    ({"block_k": 96}, "BLOCK_K"),  # not a multiple: a different chain of steps
     ({"tma": False}, "tma"),
     ({"block_m": 32}, "wgmma"),
     ({"num_warps": 2}, "wgmma"),
@@ -172,3 +173,15 @@ def test_gpu_a_stacked_product_gives_each_part_its_own_bits(parts):
         for r, n in zip(starts, parts):
             alone = batch_invariant_mm(a[:m], w[r : r + n].t())
             assert torch.equal(fused[:, r : r + n].view(torch.int16), alone.view(torch.int16)), (m, r, n)
+
+
+@pytest.mark.parametrize("block_k", [128, 256])
+def test_a_multiple_of_block_k_keeps_the_wgmma_chain_and_nothing_else_does(block_k):
+    """16-bit on the GPU: a longer step of the same k16 wgmma chain is allowed; the interpreter (a numpy product per
+    block) and fp32 (FMA) keep the same BLOCK_K only."""
+    large = GPU_CONFIGS["bfloat16"]
+    small = MatmulConfig(64, 64, block_k, num_warps=4, num_stages=3)
+    check_same_reduction_order(large, small, torch.bfloat16, gpu=True)
+    for dtype, gpu in ((torch.bfloat16, False), (torch.float32, True)):
+        with pytest.raises(ValueError, match="equal to"):
+            check_same_reduction_order(large, small, dtype, gpu=gpu)

@@ -11,10 +11,12 @@ Small M (decode: M = 1..256 rows) reads the weight once and is bound by memory, 
 config's 128x256 tiles give only N/256 programs (16 at N = 4096): far too few to stream the weight
 at the device's bandwidth. So a second config, chosen by M, runs small M with narrow N tiles
 (many programs) and deep pipelining. That choice is allowed to depend on M only because it keeps
-every output element's reduction order: the same BLOCK_K, K walked from 0 upwards into one fp32
-accumulator, the same `tl.dot` instruction family (BLOCK_M >= 64 in warpgroups of 4 warps: Hopper's
-wgmma, as the large config; rows past M are padding), no split-K. Only the tile's N width, the
-pipeline depth and the grid change, none of which touches an element's arithmetic. Building the
+every output element's reduction order: K walked from 0 upwards into one fp32 accumulator by the
+same `tl.dot` instruction family (BLOCK_M >= 64 in warpgroups of 4 warps: Hopper's wgmma, as the large
+config; rows past M are padding), in steps of the large config's BLOCK_K or a multiple of it (the same
+chain of k16 wgmmas, fewer and longer loads: weight rows are read in longer contiguous runs), no
+split-K. Only the tile's N width, the step length, the pipeline depth and the grid change, none of
+which touches an element's arithmetic. Building the
 plan refuses a pair that breaks this (`check_same_reduction_order`); `benchmarks/matmul_small_m.py`
 proves the bits equal on the GPU.
 A fixed split-K at every M was the other option; it would slow the large-M path (partials).
@@ -161,17 +163,23 @@ def config_at(dtype: torch.dtype, n: int, k: int, m: int) -> MatmulConfig:
 def check_same_reduction_order(large: MatmulConfig, small: MatmulConfig, dtype: torch.dtype, gpu: bool = True) -> None:
     """ValueError unless a row computed with `small` has the bits of the same row computed with `large`.
 
-    Each output element is one fp32 accumulator walking K from 0 in BLOCK_K steps with `tl.dot`:
-    BLOCK_K fixes the order; the kernel (TMA or pointer loads) and the tensor-core instruction family
-    fix the instructions. On Hopper, Triton emits wgmma for tiles of >= 64 rows in warpgroups of 4
-    warps; smaller tiles may take another MMA. Tile N width, pipelining and grid change no bit
-    (proven on the GPU by benchmarks/matmul_small_m.py). gpu=False (the interpreter): BLOCK_K only.
+    Each output element is one fp32 accumulator walking K from 0 in BLOCK_K steps with `tl.dot`; the
+    kernel (TMA or pointer loads) and the tensor-core instruction family fix the instructions. On Hopper,
+    Triton emits wgmma for tiles of >= 64 rows in warpgroups of 4 warps (smaller tiles may take another
+    MMA), and a 16-bit `tl.dot` of BLOCK_K is BLOCK_K / 16 k16 wgmmas chained through the accumulator in
+    K order, so a BLOCK_K that is a multiple of the large config's walks the same chain in longer steps.
+    Tile N width, BLOCK_K multiples, pipelining and grid change no bit (proven on the GPU by
+    benchmarks/matmul_small_m.py's sweep and the gate's row tests). gpu=False (the interpreter, whose dot
+    is one numpy product per block) and fp32 (FMA): the same BLOCK_K only.
     """
-    if small.block_k != large.block_k or small.tma != large.tma:
-        raise ValueError(f"small-M config: BLOCK_K {small.block_k} / tma {small.tma} must equal the large config's "
-                         f"({large.block_k} / {large.tma}): they fix each element's reduction order")
+    chain = gpu and dtype in (torch.bfloat16, torch.float16)  # wgmma: a tl.dot is a chain of k16 instructions
+    same_walk = small.block_k == large.block_k or (chain and small.block_k % large.block_k == 0)
+    if not same_walk or small.tma != large.tma:
+        rule = "a multiple of" if chain else "equal to"
+        raise ValueError(f"small-M config: BLOCK_K {small.block_k} / tma {small.tma} must be {rule} the large "
+                         f"config's ({large.block_k} / {large.tma}): they fix each element's reduction order")
     wgmma = all(c.block_m % 64 == 0 and c.num_warps % 4 == 0 for c in (large, small))
-    if gpu and dtype in (torch.bfloat16, torch.float16) and not wgmma:
+    if chain and not wgmma:
         raise ValueError(f"small-M config: BLOCK_M {small.block_m} (multiple of 64) and num_warps {small.num_warps} "
                          "(multiple of 4) keep the large config's wgmma instructions")
 
@@ -179,15 +187,23 @@ def check_same_reduction_order(large: MatmulConfig, small: MatmulConfig, dtype: 
 def fused_keeps_bits(dtype: torch.dtype, parts: list[int], k: int) -> bool:
     """Whether one product over weights stacked by rows ([N1; N2; ...], K) gives each part's columns the bits of
     that part's own product, at every M: every config either may run (large and small-M, fused and parts) walks K
-    in the same BLOCK_K steps through the same kernel (TMA or pointer loads), so an element's arithmetic is the
-    same; only tile widths and the grid differ (`check_same_reduction_order`)."""
+    in the same order through the same kernel (TMA or pointer loads), so an element's arithmetic is the same;
+    only tile widths, step lengths and the grid differ (`check_same_reduction_order`)."""
     size = dtype.itemsize
     configs = []
     for n in [*parts, sum(parts)]:
         rule = small_m_config(dtype, n, k)
         configs += [(c, c.tma and (k * size) % 16 == 0 and (n * size) % 16 == 0)
                     for c in (matmul_config(dtype, n, k), rule.config if rule is not None else None) if c is not None]
-    return len({(c.block_k, tma) for c, tma in configs}) == 1
+    if len({tma for _, tma in configs}) != 1:
+        return False
+    base = min(configs, key=lambda ct: ct[0].block_k)[0]
+    try:
+        for c, _ in configs:
+            check_same_reduction_order(base, c, dtype, gpu=not interpreting())
+    except ValueError:
+        return False
+    return True
 
 
 @triton.jit

@@ -1,0 +1,36 @@
+"""matmul_small_m.py --apply: the sweep's winner is written into a copy of matmul.py as a shape's override only where
+it kept the bits and beats the config dispatched now; the file stays valid Python and its other lines are kept."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+
+
+def _row(shape, ms, bits=0, block_k=256, persistent=True):
+    return {"shape": shape, "bits_differ": bits, "ms_m1": ms, "ms_m128": ms, "block_m": 64, "block_n": 64,
+            "block_k": block_k, "group_m": 8, "num_warps": 4, "num_stages": 3, "tma": True, "persistent": persistent}
+
+
+def test_apply_writes_only_faster_bit_equal_winners(load_benchmark, tmp_path):
+    mod = load_benchmark("matmul_small_m")
+    path = tmp_path / "matmul.py"
+    shutil.copy(mod.MATMUL_SOURCE, path)
+    before = path.read_text()
+    timing = [{"shape": s, "M": m, "ours_ms": 0.05} for s in ("qkv", "down", "k/v") for m in mod.SWEEP_BATCH]
+    sweep = [
+        _row("qkv", 0.03), _row("qkv", 0.01, bits=5),  # the faster one changed bits: never chosen
+        _row("qkv", 0.02, persistent=False),  # one-tile: not written (the line's form is persistent)
+        _row("down", 0.049),  # 2% faster: under the margin
+        _row("k/v", 0.04, block_k=128),  # replaces the existing k/v line
+    ]
+    written = mod.apply_overrides(sweep, timing, str(path))
+    assert [w.split(":")[0] for w in written] == ['("bfloat16", 6144, 4096)', '("bfloat16", 1024, 4096)']
+    after = path.read_text()
+    ast.parse(after)
+    assert after.count('("bfloat16", 1024, 4096)') == 1 and "MatmulConfig(64, 64, 128," in after
+    assert 'SmallMConfig(256, MatmulConfig(64, 64, 256, num_warps=4, num_stages=3)),  # qkv' in after
+    assert after.replace(after[after.index("SMALL_M_OVERRIDES: "):after.index("\n}\n", after.index(
+        "SMALL_M_OVERRIDES: "))], "") == before.replace(before[before.index("SMALL_M_OVERRIDES: "):before.index(
+            "\n}\n", before.index("SMALL_M_OVERRIDES: "))], "")  # nothing outside the dict changed
+    assert mod.apply_overrides([_row("qkv", 0.06)], timing, str(path)) == []  # slower: nothing written
