@@ -14,7 +14,8 @@ at the device's bandwidth. So a second config, chosen by M, runs small M with na
 every output element's reduction order: K walked from 0 upwards into one fp32 accumulator by the
 same `tl.dot` instruction family (BLOCK_M >= 64 in warpgroups of 4 warps: Hopper's wgmma, as the large
 config; rows past M are padding), in steps of the large config's BLOCK_K or a multiple of it (the same
-chain of k16 wgmmas, fewer and longer loads: weight rows are read in longer contiguous runs), no
+chain of k16 wgmmas, fewer and longer loads: weight rows are read in longer contiguous runs; not yet
+used by the table, see `check_same_reduction_order`), no
 split-K. Only the tile's N width, the step length, the pipeline depth and the grid change, none of
 which touches an element's arithmetic. Building the
 plan refuses a pair that breaks this (`check_same_reduction_order`); `benchmarks/matmul_small_m.py`
@@ -168,9 +169,10 @@ def check_same_reduction_order(large: MatmulConfig, small: MatmulConfig, dtype: 
     Triton emits wgmma for tiles of >= 64 rows in warpgroups of 4 warps (smaller tiles may take another
     MMA), and a 16-bit `tl.dot` of BLOCK_K is BLOCK_K / 16 k16 wgmmas chained through the accumulator in
     K order, so a BLOCK_K that is a multiple of the large config's walks the same chain in longer steps.
-    Tile N width, BLOCK_K multiples, pipelining and grid change no bit (proven on the GPU by
-    benchmarks/matmul_small_m.py's sweep and the gate's row tests). gpu=False (the interpreter, whose dot
-    is one numpy product per block) and fp32 (FMA): the same BLOCK_K only.
+    Tile N width, pipelining and grid change no bit (shown on the GPU by benchmarks/matmul_small_m.py and
+    the gate's row tests); no table entry uses a longer step until that sweep's bit check (run before its
+    timing; --apply writes only bit-equal winners) and the gate have shown it too. gpu=False (the
+    interpreter, whose dot is one numpy product per block) and fp32 (FMA): the same BLOCK_K only.
     """
     chain = gpu and dtype in (torch.bfloat16, torch.float16)  # wgmma: a tl.dot is a chain of k16 instructions
     same_walk = small.block_k == large.block_k or (chain and small.block_k % large.block_k == 0)
