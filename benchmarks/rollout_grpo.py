@@ -2,6 +2,7 @@
 
     python benchmarks/rollout_grpo.py --out DIR                                   # issue 54's workload, full depth
     python benchmarks/rollout_grpo.py --out DIR --prompts 16 --new-tokens 256 --layers 12 --budget-s 90
+    python benchmarks/rollout_grpo.py --out DIR --rows hf_generate --merge   # a later call adds transformers' row
     TRITON_INTERPRET=1 python benchmarks/rollout_grpo.py --out DIR --device cpu   # toy sizes (the smoke test)
 
 Workload (issue 54's defaults): 64 prompts of 512 random tokens x 8 samples (a GRPO group = the 8 requests sharing a
@@ -32,6 +33,9 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import json
+import os
+import sys
 import time
 from collections import Counter
 from dataclasses import fields
@@ -48,6 +52,7 @@ from rl_engine.workload.layouts import Sample, pack
 NAME = "rollout_grpo"
 ENGINE_ROWS = {"triton_bf16": True, "triton_bf16_no_sharing": False}  # peer -> prefix_sharing
 HF_ROW = "hf_generate"
+ROWS = (*ENGINE_ROWS, HF_ROW, "bits")
 GiB = 2**30
 MEMORY_SLACK_GIB = 2.0  # issue 54: peak <= weights + pages + 2 GiB
 PROBE_TOKENS = 16  # greedy tokens per probe prompt (at most new_tokens)
@@ -221,6 +226,26 @@ def trainer_metrics(model, completions: list, temperature: float, device: torch.
             "bitwise_equal": bool(torch.equal(train_rows[active], rollout_rows[active])), "metrics": metrics}
 
 
+def previous_run(args, config, workload: dict) -> dict:
+    """--merge: DIR's earlier result, which must be of this workload (else exit 2 with the difference)."""
+    path = os.path.join(args.out, f"{NAME}.json")
+    try:
+        with open(path) as f:
+            kept = json.load(f)
+        theirs = (kept["workload"], kept["layers"], kept["model"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        _usage_error(f"--merge needs a readable {path} from an earlier run ({e})")
+    if theirs != (workload, config.num_layers, config.name):
+        _usage_error(f"--merge: {path} is another workload: {theirs} vs this run's "
+                     f"{(workload, config.num_layers, config.name)}")
+    return kept
+
+
+def _usage_error(message: str) -> None:
+    print(f"{NAME}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 # -- main ------------------------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -237,7 +262,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--stops", type=int, default=4, help="stop ids to take from the greedy probe")
     parser.add_argument("--stop-ids", type=int, nargs="+", help="stop ids to use instead of the probe's")
     parser.add_argument("--bits-groups", type=int, default=2, help="groups whose logprobs the trainer recomputes")
-    parser.add_argument("--no-hf", action="store_true", help="skip the transformers row")
+    parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS),
+                        help="what to run (default: all; bits needs triton_bf16 in the same run)")
+    parser.add_argument("--merge", action="store_true",
+                        help=f"keep what an existing DIR/{NAME}.json of the same workload measured and this run "
+                        "does not (its stop ids are reused): a full-size run split over device calls")
     parser.add_argument("--budget-s", type=float, help="start no row after this many seconds")
     args = parser.parse_args(argv)
     for key, value in DEFAULTS[args.device].items():
@@ -246,6 +275,8 @@ def parse_args(argv=None) -> argparse.Namespace:
            if getattr(args, k) is not None and getattr(args, k) < 1]
     bad += [f"--top-p {args.top_p}"] if not 0 < args.top_p <= 1 else []
     bad += [f"--bits-groups {args.bits_groups}"] if args.bits_groups < 0 else []
+    bad += ["--rows bits without triton_bf16 (the bits are the triton_bf16 row's)"] if (
+        "bits" in args.rows and "triton_bf16" not in args.rows) else []
     if bad:
         parser.exit(2, f"{parser.prog}: error: invalid {', '.join(bad)}\n")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -264,6 +295,19 @@ def main(argv=None) -> int:
     def over() -> bool:
         return args.budget_s is not None and time.perf_counter() - started > args.budget_s
 
+    def workload() -> dict:
+        return {k: getattr(args, k) for k in (*DEFAULTS["cpu"], "top_p")} | {"temperature": 1.0}
+
+    if args.merge:
+        kept = previous_run(args, config, workload())
+        rows.update({r["peer"]: {k: v for k, v in r.items() if k != "peer"} for r in kept["rows"]
+                     if r["peer"] not in args.rows})
+        bits.update({} if "bits" in args.rows else kept.get("bits") or {})
+        if not set(ENGINE_ROWS) & set(args.rows):
+            result["checks"] = kept.get("checks")
+        if not args.stop_ids:  # the same stop ids as the rows kept
+            result["stops"], result["stops_from"] = kept.get("stop_ids"), kept.get("stop_ids_from")
+
     def save(complete: bool) -> None:
         on, off, hf = (rows.get(k, {}).get("tok_s") for k in (*ENGINE_ROWS, HF_ROW))
         ratios = {"sharing_on_over_off": on / off if on and off else None,
@@ -271,7 +315,7 @@ def main(argv=None) -> int:
                   "sharing_off_over_hf": off / hf if off and hf else None}
         write_json(args.out, NAME, {
             "complete": complete, "model": config.name, "layers": config.num_layers, "dtype": "bfloat16",
-            "workload": {k: getattr(args, k) for k in (*DEFAULTS["cpu"], "top_p")} | {"temperature": 1.0},
+            "workload": workload(),
             "stop_ids": result.get("stops"), "stop_ids_from": result.get("stops_from"),
             "engine": {"chunk_size": setup["chunk_size"], "page_size": setup["page_size"]},
             "transformers": module_version("transformers"), "elapsed_s": time.perf_counter() - started,
@@ -287,7 +331,7 @@ def main(argv=None) -> int:
           f"{args.prompt_len} prompt + {args.new_tokens} new tokens, max batch {args.max_batch}", flush=True)
     if args.stop_ids:
         result["stops"], result["stops_from"] = list(args.stop_ids), "--stop-ids"
-    else:
+    elif not result.get("stops"):
         result["stops"], result["stops_from"] = probe_stops(model, ids, args, setup), "greedy probe"
     stops = tuple(result["stops"])
     print(f"  stop ids {list(stops)} ({result['stops_from']})", flush=True)
@@ -300,6 +344,8 @@ def main(argv=None) -> int:
         num_pages = min(num_pages, int(free // pool_bytes(config, 1, setup["page_size"])))
     done = {}
     for peer, sharing in ENGINE_ROWS.items():
+        if peer not in args.rows:
+            continue
         if over():
             rows[peer] = {"skipped": f"time budget of {args.budget_s} s spent"}
             continue
@@ -310,11 +356,11 @@ def main(argv=None) -> int:
             print(f"    {rows[peer]['wall_s']:.1f} s, {rows[peer]['tok_s']:.0f} tok/s, "
                   f"{rows[peer]['stopped']}/{len(requests)} stopped", flush=True)
         save(complete=False)
-    if all(done.get(p) is not None for p in ENGINE_ROWS):
+    if all(done.get(p) is not None for p in ENGINE_ROWS):  # both ran in this run
         result["checks"] = {"sharing_on_vs_off": compare(*(done[p] for p in ENGINE_ROWS))}
         print(f"  sharing on vs off: {result['checks']['sharing_on_vs_off']}", flush=True)
 
-    subset = [r for r in requests if r.request_id < args.bits_groups * args.samples]
+    subset = [r for r in requests if r.request_id < args.bits_groups * args.samples and "bits" in args.rows]
     for profile in ("triton_bf16", "torch_bf16") if subset else ():
         if over():
             bits[profile] = {"skipped": f"time budget of {args.budget_s} s spent"}
@@ -335,7 +381,7 @@ def main(argv=None) -> int:
         save(complete=False)
     model, done = None, {}  # the engine's pools and completions go before transformers' model is built
 
-    if not args.no_hf:
+    if HF_ROW in args.rows:
         if over():
             rows[HF_ROW] = {"skipped": f"time budget of {args.budget_s} s spent"}
         else:

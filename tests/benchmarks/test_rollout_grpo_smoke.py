@@ -75,8 +75,9 @@ def test_a_planted_token_difference_is_flagged(grpo, tmp_path, monkeypatch):
         return out
 
     monkeypatch.setattr(grpo.RolloutEngine, "generate", planted)
-    argv = ["--out", str(tmp_path), "--device", "cpu", "--stop-ids", "4", "27", "--no-hf", "--bits-groups", "0",
-            "--prompts", "1", "--max-batch", "2", "--new-tokens", "3"]
+    argv = ["--out", str(tmp_path), "--device", "cpu", "--stop-ids", "4", "27",
+            "--rows", "triton_bf16", "triton_bf16_no_sharing", "--bits-groups", "0", "--prompts", "1",
+            "--max-batch", "2", "--new-tokens", "3"]
     assert grpo.main(argv) == 1
     check = _load(tmp_path)["checks"]["sharing_on_vs_off"]
     assert not check["same_tokens"] and not check["same_logprobs"] and check["token_mismatches"] == [1]
@@ -99,10 +100,29 @@ def test_spent_budget_skips_every_row(grpo, tmp_path):
     assert all("time budget" in b["skipped"] for b in data["bits"].values()) and data["checks"] is None
 
 
-@pytest.mark.parametrize("argv", [["--samples", "0"], ["--top-p", "0"], ["--bits-groups", "-1"]])
+@pytest.mark.parametrize("argv", [["--samples", "0"], ["--top-p", "0"], ["--bits-groups", "-1"],
+                                  ["--rows", "bits", "hf_generate"]])
 def test_bad_arguments_exit_2_with_one_line(grpo, tmp_path, capsys, argv):
     with pytest.raises(SystemExit) as exc:
         grpo.main(["--out", str(tmp_path), "--device", "cpu", *argv])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "invalid" in err
+
+
+def test_merge_adds_a_row_to_an_earlier_run_of_the_same_workload_only(grpo, tmp_path, capsys):
+    """A full-size run split over device calls: the engine rows first, transformers in a later call (--merge)."""
+    small = ["--out", str(tmp_path), *TOY, "--prompts", "1", "--max-batch", "2", "--new-tokens", "3",
+             "--bits-groups", "1"]
+    assert grpo.main([*small, "--rows", "triton_bf16", "triton_bf16_no_sharing", "bits"]) == 0
+    first = _load(tmp_path)
+    assert grpo.main([*small, "--rows", "hf_generate", "--merge"]) == 0
+    merged = _load(tmp_path)
+    assert [r["peer"] for r in merged["rows"]] == ["triton_bf16", "triton_bf16_no_sharing", "hf_generate"]
+    assert merged["rows"][0] == first["rows"][0] and merged["bits"] == first["bits"]
+    assert merged["checks"] == first["checks"] and merged["stop_ids"] == first["stop_ids"]
+    assert merged["ratios"]["sharing_on_over_hf"] > 0
+    with pytest.raises(SystemExit) as exc:  # another workload: refused, the file kept
+        grpo.main([*small[:-4], "--new-tokens", "4", "--bits-groups", "1", "--rows", "hf_generate", "--merge"])
+    assert exc.value.code == 2 and "another workload" in capsys.readouterr().err
+    assert _load(tmp_path) == merged
