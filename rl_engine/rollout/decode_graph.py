@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl_engine.rollout.logprobs import tempered_logprobs
+from rl_engine.rollout.logprobs import logits_and_raw, tempered_logprobs
 from rl_engine.rollout.paged_cache import padded_block_table
 from rl_engine.rollout.sampling import SamplingParams, sample
 
@@ -83,7 +83,7 @@ class _Step:
         cache, model = self.cache, self.model
         cache.use_block_table(self.block_table)
         hidden = model.forward_cached(self.tokens, self.positions, cache, self.seqlens)
-        logits = model.logits(hidden)[:, 0]
+        logits, raw = logits_and_raw(model, hidden)
         if logits.is_cuda:
             from rl_engine.kernels.ops.triton.sampling.sampler import sample_tokens
 
@@ -94,7 +94,7 @@ class _Step:
         # -1 (no token: NaN/+inf logits) is refused once the host reads the tokens; no logprob op indexes with it
         targets = tokens.clamp_min(0)[:, None]
         self.out_tokens.copy_(tokens)
-        self.out_logprobs[0].copy_(model.selected_logprobs(hidden, targets)[:, 0])
+        self.out_logprobs[0].copy_(raw(targets))
         if self.temperature is not None:
             self.out_logprobs[1].copy_(tempered_logprobs(model, hidden, targets, self.temperature)[:, 0])
         self.hidden = hidden

@@ -15,8 +15,9 @@ in the cache. Each engine step:
      a recompute chunk, or in decode its newest token). One `forward_cached` call per distinct query
      length (all decodes together; prefill chunks grouped by length), each over the paged cache;
   4. sampling: for every sequence whose forward reached its newest known token, the last hidden row
-     gives logits (`lm_head`) -> a token (rl_engine.rollout.sampling), and the token's logprobs, raw and
-     at the sampling temperature (rl_engine.rollout.logprobs), from that same hidden row;
+     gives logits -> a token (rl_engine.rollout.sampling), and the token's logprobs, raw and at the
+     sampling temperature (rl_engine.rollout.logprobs), from that same hidden row (under a Triton profile
+     one kernel reads the lm_head for the logits and the raw logprobs: `logits_and_raw`);
   5. a sequence stops at a stop token (kept in its output) or at max_new_tokens; its pages go back.
 With `prefix_sharing`, requests with the same prompt_ids (a GRPO group) prefill it once: a later member
 waits for one member to cache the prompt, then takes that member's pages for the prompt's first
@@ -47,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rl_engine.rollout.decode_graph import DecodeGraphs
-from rl_engine.rollout.logprobs import tempered_logprobs
+from rl_engine.rollout.logprobs import logits_and_raw, tempered_logprobs
 from rl_engine.rollout.paged_cache import PagedKvCache
 from rl_engine.rollout.sampling import SamplingParams, check_tokens, sample
 
@@ -572,7 +573,11 @@ class RolloutEngine:
     def _sample(self, hidden: torch.Tensor, owners: list[_Running]) -> None:
         """hidden [n,1,H]: the last row of each owner; draws its next token and records its logprobs."""
         t0 = self._mark()
-        logits = self._logits(hidden)[:, 0]
+        if self.tensor_parallel:
+            logits = self._logits(hidden)[:, 0]
+            raw_of = lambda targets: self.model.selected_logprobs(hidden, targets)[:, 0]  # noqa: E731
+        else:
+            logits, raw_of = logits_and_raw(self.model, hidden)
         params = [s.request.params for s in owners]
         positions = [len(s.request.prompt_ids) + len(s.tokens) for s in owners]
         ids = [s.id for s in owners]
@@ -581,7 +586,7 @@ class RolloutEngine:
         # -1 (no token: NaN/+inf logits) is refused below, once the host reads the tokens; the logprob ops
         # must not index with it before that.
         targets = tokens.clamp_min(0)[:, None]
-        raw = self.model.selected_logprobs(hidden, targets)[:, 0]
+        raw = raw_of(targets)
         tempered = raw.clone()
         for temperature in sorted({p.temperature for p in params if not p.greedy}):
             rows = torch.tensor([i for i, p in enumerate(params) if p.temperature == temperature], device=self.device)

@@ -45,3 +45,15 @@ def tempered_logprobs(model, hidden: torch.Tensor, target_ids: torch.Tensor, tem
     with tf32_off():
         logits = hidden.to(dtype) @ weight.to(dtype).t()
     return token_stats(logits, target_ids, temperature)[0].float()
+
+
+def logits_and_raw(model, hidden: torch.Tensor):
+    """(logits [n, V] for the sampler, raw(targets [n, 1]) -> fp32 [n]) for hidden [n, 1, H]. Where the profile's
+    `linear_logp` is Triton one kernel reads the lm_head for both: fp32 logits, and the partials whose fold gives
+    the drawn tokens `selected_logprobs`' bits (`sampling_logits`); else the lm_head op, then `selected_logprobs`."""
+    if loss_backend(model) == "triton":
+        from rl_engine.kernels.ops.triton.loss.linear_logp import logp_of_drawn, sampling_logits
+
+        logits, parts = sampling_logits(hidden[:, 0], model.lm_head_weight)
+        return logits, lambda targets: logp_of_drawn(logits, parts, targets[:, 0])
+    return model.logits(hidden)[:, 0], lambda targets: model.selected_logprobs(hidden, targets)[:, 0]

@@ -178,8 +178,8 @@ def compile_matmul(variant: str):
     return _compile(mm._matmul_tma_kernel, constants, types, cfg.num_warps, stages)
 
 
-LINEAR_LOGP_KERNELS = ("partials", "combine", "dlogits", "dh", "dw", "policy_stats", "policy_dlogits",
-                       "policy_stats_e", "policy_dlogits_e", "policy_dx_split", "policy_dx_sum")
+LINEAR_LOGP_KERNELS = ("partials", "partials_logits", "combine", "dlogits", "dh", "dw", "policy_stats",
+                       "policy_dlogits", "policy_stats_e", "policy_dlogits_e", "policy_dx_split", "policy_dx_sum")
 # Elementwise kernels whose fp32 build differs from the bf16 one only in pointer types: compiled in bf16 alone.
 LINEAR_LOGP_BF16_ONLY = ("policy_dlogits_e", "policy_dx_sum")
 
@@ -197,7 +197,8 @@ def compile_linear_logp(kind: str, dtype: torch.dtype):
     precision = dot_precision(dtype)  # the interpreter is off here: the GPU's choice
     tiles = dict(BLOCK_T=cfg["BLOCK_T"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"], GROUP=cfg["GROUP"],
                  NUM_PROGRAMS=132, DOT_FP32=False, INPUT_PRECISION=precision)
-    fp32_ptrs = {"part_max_ptr", "part_sum_ptr", "target_logit_ptr", "logp_ptr", "lse_ptr", "grad_out_ptr"}
+    fp32_ptrs = {"part_max_ptr", "part_sum_ptr", "target_logit_ptr", "logits_ptr", "logp_ptr", "lse_ptr",
+                 "grad_out_ptr"}
     blocks = {"h_desc": [cfg["BLOCK_T"], cfg["BLOCK_H"]], "w_desc": [cfg["BLOCK_V"], cfg["BLOCK_H"]]}
 
     def types(name: str) -> str:
@@ -242,9 +243,12 @@ def compile_linear_logp(kind: str, dtype: torch.dtype):
         return _compile(pl._split_k_kernel, constants, dx_types, dx["num_warps"], dx["num_stages"])
     if kind == "combine":
         return _compile(ll._combine_kernel, {"BLOCK": 2048}, types, 4, 1)
-    if kind in ("partials", "dlogits"):
-        fn = ll._partials_kernel if kind == "partials" else ll._dlogits_kernel
-        return _compile(fn, dict(tiles, HAS_BIAS=False), types, cfg["num_warps"], cfg["num_stages"])
+    if kind in ("partials", "partials_logits"):  # the trainer's forward; the rollout's, storing the logits too
+        return _compile(ll._partials_kernel, dict(tiles, HAS_BIAS=False, STORE_LOGITS=kind == "partials_logits"),
+                        types, cfg["num_warps"],
+                        ll.STORE_LOGITS_STAGES if kind == "partials_logits" else cfg["num_stages"])
+    if kind == "dlogits":
+        return _compile(ll._dlogits_kernel, dict(tiles, HAS_BIAS=False), types, cfg["num_warps"], cfg["num_stages"])
     gemm = cfg["DH" if kind == "dh" else "DW"]
     constants = dict(BLOCK_M=gemm["BLOCK_M"], BLOCK_N=gemm["BLOCK_N"], BLOCK_K=gemm["BLOCK_K"], GROUP=gemm["GROUP"],
                      ROW_SUM=False, EVEN_K=True, DOT_FP32=False, INPUT_PRECISION=precision,

@@ -324,3 +324,51 @@ def test_weight_gradient_on_the_persistent_gemm_keeps_the_bits_of_the_column_sum
     monkeypatch.setattr(ll, "batch_invariant_mm", lambda a, b, **k: persistent(a, b.roll(1, 0), **k))
     planted = _run(TritonLinearLogpOp(), inputs, grad_out)[1]["lm_head_weight"]
     assert not torch.equal(planted, with_bias)
+
+
+# --- the rollout's one read of the lm_head: logits for the sampler and linear_logp's partials from one kernel ---
+
+
+def _drawn(inputs, parts_hook=None):
+    """(logits, logp of the targets) through `sampling_logits` + `logp_of_drawn`, rows flattened."""
+    from rl_engine.kernels.ops.triton.loss import linear_logp as ll
+
+    hidden = inputs["hidden"].reshape(-1, inputs["hidden"].shape[-1])
+    logits, parts = ll.sampling_logits(hidden, inputs["lm_head_weight"])
+    parts = parts_hook(parts) if parts_hook else parts
+    return logits, ll.logp_of_drawn(logits, parts, inputs["target_ids"].reshape(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 3, 17, 40])  # one token, a partial tile, across token tiles of 16
+def test_sampling_logits_give_the_drawn_tokens_linear_logp_bits(dtype, n):
+    inputs = _inputs(1, n, 100, 32, dtype, seed=5)  # V = 100: seven vocabulary tiles of 16, the last partial
+    logits, logp = _drawn(inputs)
+    want = TritonLinearLogpOp()(hidden=inputs["hidden"], lm_head_weight=inputs["lm_head_weight"],
+                                target_ids=inputs["target_ids"]).reshape(-1)
+    assert torch.equal(logp.view(torch.int32), want.view(torch.int32))
+    ref = inputs["hidden"][0].double() @ inputs["lm_head_weight"].double().t()
+    assert logits.dtype == torch.float32 and logits.shape == (n, 100)
+    torch.testing.assert_close(logits.double(), ref, rtol=1e-5, atol=1e-5)  # the logits, not some other tile
+
+
+def test_the_bitwise_check_catches_partials_folded_in_another_order():
+    inputs = _inputs(1, 5, 100, 32, torch.bfloat16, seed=6)
+    want = TritonLinearLogpOp()(hidden=inputs["hidden"], lm_head_weight=inputs["lm_head_weight"],
+                                target_ids=inputs["target_ids"]).reshape(-1)
+    _, planted = _drawn(inputs, lambda parts: tuple(p.flip(1).contiguous() for p in parts))  # tiles reversed
+    assert not torch.equal(planted, want)
+
+
+@pytest.mark.gpu
+def test_gpu_sampling_logits_at_qwen3_shape():
+    """The rollout's variant (two pipeline stages, the fp32 tile stored) keeps linear_logp's bits at every batch."""
+    inputs = _inputs(1, 256, QWEN3_8B["v"], QWEN3_8B["h"], torch.bfloat16, seed=7)
+    want = TritonLinearLogpOp()(hidden=inputs["hidden"], lm_head_weight=inputs["lm_head_weight"],
+                                target_ids=inputs["target_ids"]).reshape(-1)
+    for n in (1, 2, 16, 64, 129, 256):
+        sub = dict(inputs, hidden=inputs["hidden"][:, :n], target_ids=inputs["target_ids"][:, :n])
+        logits, logp = _drawn(sub)
+        assert torch.equal(logp.view(torch.int32), want[:n].view(torch.int32)), n
+    torch.testing.assert_close(logits, inputs["hidden"][0].float() @ inputs["lm_head_weight"].float().t(),
+                               rtol=2e-2, atol=2e-2)

@@ -81,6 +81,9 @@ _INTERPRETER_CONFIG = dict(BLOCK_T=16, BLOCK_V=16, BLOCK_H=16, GROUP=2, num_warp
                            DW=_gemm(16, 16, 16, 1, 1, group=2))
 
 
+# The stored fp32 logits tile (128 KB at 128 x 256) is staged through shared memory beside the load pipeline: with
+# two stages of it the kernel fits sm_90's 227 KB (four need 320 KB).
+STORE_LOGITS_STAGES = 2
 INTERPRETER_PROGRAMS = 3  # stands in for the SM count: several tiles per program, as on the GPU
 
 
@@ -133,12 +136,14 @@ def _logits_tile(
 
 @triton.jit(do_not_specialize=["N"])
 def _partials_kernel(
-    h_desc, w_desc, bias_ptr, target_ptr, part_max_ptr, part_sum_ptr, target_logit_ptr, N, V, H, num_vtiles,
-    HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    GROUP: tl.constexpr, NUM_PROGRAMS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    h_desc, w_desc, bias_ptr, target_ptr, part_max_ptr, part_sum_ptr, target_logit_ptr, logits_ptr, N, V, H,
+    num_vtiles, HAS_BIAS: tl.constexpr, STORE_LOGITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr, GROUP: tl.constexpr, NUM_PROGRAMS: tl.constexpr, DOT_FP32: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):
     # Persistent: NUM_PROGRAMS programs stride over the [BLOCK_T, BLOCK_V] tiles, so a tile's epilogue
     # (exps, sums, stores) overlaps the next tile's first loads. Which program runs a tile changes no bit.
+    # STORE_LOGITS: also the fp32 logits [N, V] (a sampler's input; `sampling_logits`).
     num_ttiles = tl.cdiv(N, BLOCK_T)
     tile_id_c = tl.program_id(0) - NUM_PROGRAMS  # the epilogue's tile, from its own counter (as matmul.py)
     for tile_id in tl.range(tl.program_id(0), num_ttiles * num_vtiles, NUM_PROGRAMS, flatten=True):
@@ -151,6 +156,10 @@ def _partials_kernel(
         cols = tile_v * BLOCK_V + tl.arange(0, BLOCK_V)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)[None, :]
+        row_ok = rows < N
+        rows64 = rows.to(tl.int64)
+        if STORE_LOGITS:
+            tl.store(logits_ptr + rows64[:, None] * V + cols[None, :], acc, mask=row_ok[:, None] & (cols < V)[None, :])
         acc = tl.where((cols < V)[None, :], acc, float("-inf"))
         # NaN if any logit of the row's tile is NaN (fold_lse then makes the lse NaN); -inf if all are
         # -inf (e.g. a -inf bias): then shift by 0, so that the sum is 0, not -inf - -inf = NaN.
@@ -158,8 +167,6 @@ def _partials_kernel(
         shift = tl.where(tile_max == float("-inf"), 0.0, tile_max)
         # exp(acc - max) as 2^(acc log2e - max log2e): one FFMA and one MUFU.EX2 per element.
         tile_sum = tl.sum(exp2_ftz(acc * LOG2E - (shift * LOG2E)[:, None]), axis=1)
-        row_ok = rows < N
-        rows64 = rows.to(tl.int64)
         tl.store(part_max_ptr + rows64 * num_vtiles + tile_v, tile_max, mask=row_ok)
         tl.store(part_sum_ptr + rows64 * num_vtiles + tile_v, tile_sum, mask=row_ok)
         target = tl.load(target_ptr + rows, mask=row_ok, other=-1).to(tl.int32)
@@ -362,9 +369,10 @@ def _forward(hidden, weight, bias, targets, cfg):
     return combine(*partials(hidden, weight, bias, targets, cfg))
 
 
-def partials(hidden, weight, bias, targets, cfg):
+def partials(hidden, weight, bias, targets, cfg, logits=None):
     """Per token and vocabulary tile: (max, sum of exp(logit - max)) [N, tiles], and the target logit [N]
-    (NaN where no tile of `weight` holds the target). Each tile's values depend on that tile alone."""
+    (NaN where no tile of `weight` holds the target). Each tile's values depend on that tile alone.
+    `logits`: an fp32 [N, V] tensor the kernel also writes the logits into."""
     n, h = hidden.shape
     v = weight.shape[0]
     num_vtiles = triton.cdiv(v, cfg["BLOCK_V"])
@@ -376,9 +384,31 @@ def partials(hidden, weight, bias, targets, cfg):
     programs = num_programs(hidden.device)
     _partials_kernel[(min(programs, tiles),)](
         h_desc, w_desc, bias if bias is not None else weight, targets, part_max, part_sum, target_logit,
-        n, v, h, num_vtiles, HAS_BIAS=bias is not None, NUM_PROGRAMS=programs, **_tile_options(cfg, hidden.dtype),
+        logits if logits is not None else part_max, n, v, h, num_vtiles, HAS_BIAS=bias is not None,
+        STORE_LOGITS=logits is not None, NUM_PROGRAMS=programs, **_tile_options(cfg, hidden.dtype),
     )
     return part_max, part_sum, target_logit
+
+
+def sampling_logits(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """fp32 logits [N, V] = hidden [N, H] @ W^T for a sampler, and the partials `linear_logp` folds: with them
+    `logp_of_drawn` gives drawn tokens the bits of linear_logp(hidden, W, tokens) without a second read of W (one
+    kernel writes both: the logits are its fp32 accumulator tiles). Pipeline depth changes no bit."""
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    rows, weight = hidden.to(dtype), weight.to(dtype)
+    cfg = config(dtype)
+    cfg["num_stages"] = min(cfg["num_stages"], STORE_LOGITS_STAGES)
+    logits = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32, device=rows.device)
+    no_target = torch.full((rows.shape[0],), -1, dtype=torch.int64, device=rows.device)
+    part_max, part_sum, _ = partials(rows, weight, None, no_target, cfg, logits=logits)
+    return logits, (part_max, part_sum)
+
+
+def logp_of_drawn(logits: torch.Tensor, parts: tuple, targets: torch.Tensor) -> torch.Tensor:
+    """fp32 [N]: log-probabilities of targets [N] (in [0, V)) from `sampling_logits`' results, as linear_logp's."""
+    # The partials kernel picks a target logit as a sum of it and zeros: + 0.0 does the same (-0.0 becomes +0.0).
+    target_logit = logits.gather(1, targets.reshape(-1, 1).long())[:, 0] + 0.0
+    return combine(*parts, target_logit)[0]
 
 
 def combine(part_max, part_sum, target_logit):
