@@ -220,18 +220,18 @@ def summary(results: Path = RESULTS) -> str:
                     f"torch.compile {_ms(mhc['compiled_ms'])}", f"{1 / mhc['triton_over_compiled']:.2f}×",
                     _goal("≤ 1.5× torch.compile's time", mhc["within_goal_1.5x"]), "mhc"))
 
-    ro = load("rollout_h100")  # full depth; the H200 could not be had when it ran
+    ro = load("rollout")  # full depth, on the H200
     batch = ro["goals"]["min_batch"]  # the speed goal's smallest batch, at the shortest context measured there
     context = min(r["context"] for r in ro["rows"] if r["batch"] == batch and r["peer"] == "hf_static")
     ours = _one(ro["rows"], peer="triton_bf16", batch=batch, context=context)
     theirs = _one(ro["rows"], peer="hf_static", batch=batch, context=context)["decode_tok_s"]
     speed, floor = ro["goals"]["speedup_vs_hf"], ro["goals"]["floor_x"]
     out.append(_row(f"rollout decode, {ro['model']} ({ro['layers']} layers), batch {batch}, {context // 1024}k "
-                    f"context, **H100**", f"{ours['decode_tok_s']:.0f} tok/s",
+                    f"context", f"{ours['decode_tok_s']:.0f} tok/s",
                     f"{PEERS['hf_static']} {theirs:.0f} tok/s", f"{ours['decode_tok_s'] / theirs:.2f}×",
                     _goal(f"≥ {speed:g}× transformers at batch ≥ {batch}", ours["decode_tok_s"] / theirs >= speed)
                     + "; " + _goal(f"≤ {floor:g}× the byte floor: {ours['floor_x']:.2f}×", ours["floor_x"] <= floor),
-                    "rollout_h100"))
+                    "rollout"))
 
     grpo = load("rollout_grpo_h100")
     w, rows = grpo["workload"], {r["peer"]: r for r in grpo["rows"]}

@@ -119,7 +119,8 @@ SMALL_M_OVERRIDES: dict[tuple[str, int, int], SmallMConfig | None] = {
     # Wide N already gives every SM tiles; from M = 256 the large tiles' operand reuse wins there.
     ("bfloat16", 12288, 4096): SmallMConfig(128, _DECODE),  # gate/up
     ("bfloat16", 24576, 4096): SmallMConfig(128, _DECODE),  # gate and up fused
-    ("bfloat16", 151936, 4096): SmallMConfig(128, _DECODE),  # lm_head
+    ("bfloat16", 4096, 4096): SmallMConfig(256, MatmulConfig(64, 64, 128, num_warps=4, num_stages=6)),  # q/o
+    ("bfloat16", 151936, 4096): SmallMConfig(128, MatmulConfig(64, 128, 128, num_warps=4, num_stages=4)),  # lm_head
 }
 
 # The interpreter runs every program in Python: small tiles keep CPU tests fast. Still fixed.
