@@ -36,9 +36,12 @@ from common import arg_parser, bench_ms, copy_ceiling, measure, parse_gpu_args, 
 from matmul import gpu_ms, weight_copies  # noqa: E402  (benchmarks/matmul.py: graph replay over weight copies)
 
 from rl_engine.kernels.ops.triton.linear.matmul import (  # noqa: E402
+    GPU_CONFIG_OVERRIDES,
+    GPU_CONFIGS,
     SMALL_M_CONFIGS,
     SMALL_M_OVERRIDES,
     MatmulConfig,
+    SmallMConfig,
     batch_invariant_mm,
     config_at,
     matmul_config,
@@ -208,38 +211,72 @@ def recommend(rows: list[dict]) -> dict:
     return out
 
 
+NARROW_MAX_M = 16  # --apply: the M = 1 winner serves M <= 16, the M = 128 winner the rest of the small-M range
+
+
+def _source(cfg: MatmulConfig) -> str:
+    """cfg as matmul.py's source writes it: the three block sizes, then the fields that are not the default."""
+    defaults = MatmulConfig(0, 0, 0)
+    extra = [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)[3:]
+             if getattr(cfg, f.name) != getattr(defaults, f.name)]
+    return f"MatmulConfig({', '.join([str(cfg.block_m), str(cfg.block_n), str(cfg.block_k), *extra])})"
+
+
 def apply_overrides(sweep: list[dict], timing: list[dict], path: str = MATMUL_SOURCE) -> list[str]:
-    """--apply: per swept shape, the fastest persistent candidate with equal bits, where it beats the config
-    dispatched now by SWEEP_MARGIN_PCT (geometric mean over SWEEP_BATCH), written into matmul.py's
-    SMALL_M_OVERRIDES (replacing the shape's line, else added). Returns the lines written."""
+    """--apply: per swept shape and tier (M = 1 for M <= NARROW_MAX_M, M = 128 for the rest of the small-M range),
+    the fastest persistent candidate with equal bits where it beats the config dispatched now at that M by
+    SWEEP_MARGIN_PCT, else the config dispatched now; written into matmul.py's SMALL_M_OVERRIDES (replacing the
+    shape's line, else added) when either tier changed. Returns the lines written."""
     with open(path) as f:
         text = f.read()
     head, rest = text.split("SMALL_M_OVERRIDES: ", 1)
     block, tail = rest.split("\n}\n", 1)
     written = []
+    name = str(DTYPE).removeprefix("torch.")
+    fields = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "tma", "persistent")
     for shape in dict.fromkeys(r["shape"] for r in sweep):
-        now = [next((t["ours_ms"] for t in timing if t["shape"] == shape and t["M"] == m and t.get("ours_ms")), None)
-               for m in SWEEP_BATCH]
-        ranked = sorted((r for r in sweep if r["shape"] == shape and r.get("persistent") and _score(r)), key=_score)
-        if not all(now) or not ranked:
+        n, k = SHAPES[shape]
+        rule = _gpu_rule(name, n, k)
+        max_m = rule.max_m if rule else max(BATCH)
+        tiers, gains = [], []
+        for m in SWEEP_BATCH:
+            now = next((t["ours_ms"] for t in timing if t["shape"] == shape and t["M"] == m and t.get("ours_ms")), None)
+            ranked = sorted((r for r in sweep if r["shape"] == shape and r.get("persistent") and r.get("tma")
+                             and r.get("group_m") == 8 and r.get("bits_differ") == 0 and r.get(f"ms_m{m}")),
+                            key=lambda r: r[f"ms_m{m}"])
+            gain = 100 * (now / ranked[0][f"ms_m{m}"] - 1) if now and ranked else 0.0
+            if gain >= SWEEP_MARGIN_PCT:
+                tiers.append(MatmulConfig(**{f: ranked[0][f] for f in fields}))
+                gains.append(f"M = {m}: {gain:.0f}% faster")
+            else:
+                tiers.append(_gpu_config_at(name, n, k, m))
+        if not gains:
             continue
-        top, n, k = ranked[0], *SHAPES[shape]
-        gain = 100 * (math.prod(now) ** (1 / len(now)) / _score(top) - 1)
-        if gain < SWEEP_MARGIN_PCT or top["group_m"] != 8 or not top["tma"]:
-            continue
-        name = str(DTYPE).removeprefix("torch.")
-        rule = SMALL_M_OVERRIDES.get((name, n, k), SMALL_M_CONFIGS[name])  # the GPU table's, also off a GPU
+        narrow, wide = tiers
+        value = (f"SmallMConfig({max_m}, {_source(wide)})" if narrow == wide else
+                 f"(SmallMConfig({NARROW_MAX_M}, {_source(narrow)}), SmallMConfig({max_m}, {_source(wide)}))")
         key = f'("{name}", {n}, {k})'
-        line = (f"    {key}: SmallMConfig({rule.max_m if rule else max(BATCH)}, MatmulConfig({top['block_m']}, "
-                f"{top['block_n']}, {top['block_k']}, num_warps={top['num_warps']}, num_stages={top['num_stages']})),"
-                f"  # {shape}")
+        line = f"    {key}: {value},  # {shape}"
         kept = [x for x in block.split("\n") if not x.strip().startswith(key)]
         block = "\n".join([*kept, line])
-        written.append(f"{line.strip()} ({gain:.0f}% faster than the config dispatched now)")
+        written.append(f"{line.strip()} ({', '.join(gains)} than the config dispatched now)")
     if written:
         with open(path, "w") as f:
             f.write(f"{head}SMALL_M_OVERRIDES: {block}\n}}\n{tail}")
     return written
+
+
+def _gpu_rule(name: str, n: int, k: int):
+    """The GPU table's widest tier (also off a GPU, where small_m_config answers the interpreter's)."""
+    rule = SMALL_M_OVERRIDES.get((name, n, k), SMALL_M_CONFIGS[name])
+    return rule if rule is None or isinstance(rule, SmallMConfig) else max(rule, key=lambda t: t.max_m)
+
+
+def _gpu_config_at(name: str, n: int, k: int, m: int) -> MatmulConfig:
+    """The GPU table's config at M (also off a GPU)."""
+    rule = SMALL_M_OVERRIDES.get((name, n, k), SMALL_M_CONFIGS[name])
+    tiers = [] if rule is None else [rule] if isinstance(rule, SmallMConfig) else sorted(rule, key=lambda t: t.max_m)
+    return next((t.config for t in tiers if m <= t.max_m), GPU_CONFIG_OVERRIDES.get((name, n, k), GPU_CONFIGS[name]))
 
 
 def time_shape(name, a, b, weights, n, k, copy_gbps) -> list[dict]:

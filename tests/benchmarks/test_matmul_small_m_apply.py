@@ -7,8 +7,8 @@ import ast
 import shutil
 
 
-def _row(shape, ms, bits=0, block_k=256, persistent=True):
-    return {"shape": shape, "bits_differ": bits, "ms_m1": ms, "ms_m128": ms, "block_m": 64, "block_n": 64,
+def _row(shape, ms, bits=0, block_k=256, persistent=True, ms_m128=None):
+    return {"shape": shape, "bits_differ": bits, "ms_m1": ms, "ms_m128": ms if ms_m128 is None else ms_m128, "block_m": 64, "block_n": 64,
             "block_k": block_k, "group_m": 8, "num_warps": 4, "num_stages": 3, "tma": True, "persistent": persistent}
 
 
@@ -29,8 +29,21 @@ def test_apply_writes_only_faster_bit_equal_winners(load_benchmark, tmp_path):
     after = path.read_text()
     ast.parse(after)
     assert after.count('("bfloat16", 1024, 4096)') == 1 and "MatmulConfig(64, 64, 128," in after
-    assert 'SmallMConfig(256, MatmulConfig(64, 64, 256, num_warps=4, num_stages=3)),  # qkv' in after
+    assert 'SmallMConfig(256, MatmulConfig(64, 64, 256, num_warps=4)),  # qkv' in after
     assert after.replace(after[after.index("SMALL_M_OVERRIDES: "):after.index("\n}\n", after.index(
         "SMALL_M_OVERRIDES: "))], "") == before.replace(before[before.index("SMALL_M_OVERRIDES: "):before.index(
             "\n}\n", before.index("SMALL_M_OVERRIDES: "))], "")  # nothing outside the dict changed
     assert mod.apply_overrides([_row("qkv", 0.06)], timing, str(path)) == []  # slower: nothing written
+
+
+def test_apply_writes_a_tier_per_m_where_the_winners_differ(load_benchmark, tmp_path):
+    """A candidate faster at M = 1 only takes the narrow tier; the wide tier keeps the config dispatched at M = 128."""
+    mod = load_benchmark("matmul_small_m")
+    path = tmp_path / "matmul.py"
+    shutil.copy(mod.MATMUL_SOURCE, path)
+    timing = [{"shape": "gate_up", "M": m, "ours_ms": 0.05} for m in mod.SWEEP_BATCH]
+    (line,) = mod.apply_overrides([_row("gate_up", 0.03, block_k=128, ms_m128=0.09)], timing, str(path))
+    now = mod._source(mod._gpu_config_at("bfloat16", 24576, 4096, 128))
+    assert line.startswith(f'("bfloat16", 24576, 4096): (SmallMConfig({mod.NARROW_MAX_M}, MatmulConfig(64, 64, 128, '
+                           f'num_warps=4)), SmallMConfig(128, {now})),  # gate_up'), line
+    ast.parse(path.read_text())

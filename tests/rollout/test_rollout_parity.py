@@ -100,13 +100,13 @@ def test_a_stacked_product_that_would_walk_k_otherwise_is_refused(micro_config, 
             found = rule(dtype, n, k)
             if n != 2 * micro_config.intermediate_size:
                 return found
-            if isinstance(found, matmul.SmallMConfig):
-                return matmul.SmallMConfig(found.max_m, dataclasses.replace(found.config, block_k=8))
+            if isinstance(found, tuple):
+                return tuple(matmul.SmallMConfig(t.max_m, dataclasses.replace(t.config, block_k=8)) for t in found)
             return dataclasses.replace(found, block_k=8)
         return config
 
     monkeypatch.setattr(matmul, "matmul_config", other_k(matmul.matmul_config))
-    monkeypatch.setattr(matmul, "small_m_config", other_k(matmul.small_m_config))
+    monkeypatch.setattr(matmul, "small_m_tiers", other_k(matmul.small_m_tiers))
     monkeypatch.setattr(matmul, "_plans", {})
     got, nodes = _stacked_run(micro_config, micro_weights)
     assert QKV in nodes and GATE_UP not in nodes and "model.layers.0.mlp.up_proj" in nodes

@@ -19,6 +19,7 @@ from rl_engine.kernels.ops.triton.linear.matmul import (
     INTERPRETER_SMALL_M,
     SMALL_M_CONFIGS,
     SMALL_M_OVERRIDES,
+    SmallMConfig,
     MatmulConfig,
     batch_invariant_mm,
     check_same_reduction_order,
@@ -94,6 +95,37 @@ def test_the_check_catches_split_k_by_m():
     assert set(rows_differing(mm, a, w.t(), [1, 24])) == {1, 24}
 
 
+# Two tiers under the interpreter: the narrowest differs from the wider one in tile shape and grid.
+NARROW_TIER = SmallMConfig(3, dataclasses.replace(INTERPRETER_SMALL_M.config, block_m=16, block_n=16, persistent=True))
+
+
+@interpreter_only
+def test_tiers_run_by_m_and_keep_a_large_batch_s_bits(monkeypatch):
+    monkeypatch.setattr(module, "INTERPRETER_SMALL_M", (INTERPRETER_SMALL_M, NARROW_TIER))  # any order
+    module._plans.clear()
+    assert [config_at(torch.float32, N, K, m) for m in (1, 3, 4, INTERPRETER_SMALL_M.max_m, FULL_M)] == [
+        NARROW_TIER.config, NARROW_TIER.config, INTERPRETER_SMALL_M.config, INTERPRETER_SMALL_M.config,
+        INTERPRETER_CONFIG]
+    a = _randn(FULL_M, K, dtype=torch.float32, seed=12)
+    w = _randn(N, K, dtype=torch.float32, seed=13)
+    assert rows_differing(batch_invariant_mm, a, w.t(), [1, 2, 3, 4, 5, INTERPRETER_SMALL_M.max_m]) == {}
+    (plan,) = module._plans.values()
+    assert (plan.small.config, plan.small_max_m) == (INTERPRETER_SMALL_M.config, INTERPRETER_SMALL_M.max_m)
+    assert (plan.small.small.config, plan.small.small_max_m) == (NARROW_TIER.config, NARROW_TIER.max_m)
+    assert plan.small.small.small is None and plan.small.small.small_max_m == 0
+    module._plans.clear()
+
+
+@interpreter_only
+def test_a_narrower_tier_with_another_block_k_is_refused(monkeypatch):
+    bad = SmallMConfig(3, dataclasses.replace(NARROW_TIER.config, block_k=8))
+    monkeypatch.setattr(module, "INTERPRETER_SMALL_M", (INTERPRETER_SMALL_M, bad))
+    module._plans.clear()
+    with pytest.raises(ValueError, match="BLOCK_K 8"):
+        batch_invariant_mm(_randn(1, K, dtype=torch.float32, seed=14), _randn(K, N, dtype=torch.float32, seed=15))
+    module._plans.clear()
+
+
 @interpreter_only
 def test_a_small_m_config_with_another_block_k_is_refused(monkeypatch):
     bad = dataclasses.replace(INTERPRETER_SMALL_M, config=dataclasses.replace(INTERPRETER_SMALL_M.config, block_k=32))
@@ -115,8 +147,12 @@ def test_an_explicit_config_runs_at_every_m():
 
 # --- the H200 table, checked on the CPU -------------------------------------------------------------------
 
-SMALL_TABLE = [(name, None, None, rule) for name, rule in SMALL_M_CONFIGS.items() if rule] + [
-    (name, n, k, rule) for (name, n, k), rule in SMALL_M_OVERRIDES.items() if rule
+def _tiers(rule):
+    return [] if rule is None else [rule] if isinstance(rule, SmallMConfig) else list(rule)
+
+
+SMALL_TABLE = [(name, None, None, t) for name, rule in SMALL_M_CONFIGS.items() for t in _tiers(rule)] + [
+    (name, n, k, t) for (name, n, k), rule in SMALL_M_OVERRIDES.items() for t in _tiers(rule)
 ]
 
 

@@ -86,7 +86,8 @@ class MatmulConfig:
 @dataclasses.dataclass(frozen=True)
 class SmallMConfig:
     """The config used for M <= max_m instead of the (dtype, N, K) table's: same reduction order, see
-    `check_same_reduction_order`; it changes speed, never bits."""
+    `check_same_reduction_order`; it changes speed, never bits. A table entry may be a tuple of tiers (ascending
+    max_m): an M runs the first tier whose max_m it does not pass."""
 
     max_m: int
     config: MatmulConfig
@@ -107,19 +108,23 @@ GPU_CONFIG_OVERRIDES: dict[tuple[str, int, int], MatmulConfig] = {}
 # large config (checked); narrower N tiles and a deeper pipeline so that many programs stream the
 # weight. Keyed like the large table: dtype name, then optional (N, K) overrides (None: no small-M
 # config for that shape). `benchmarks/matmul_small_m.py` sweeps candidates and prints the lines.
+# Tiers: at M = 1 a weight panel streams fastest through 128-wide N tiles, from M = 32 on through 64-wide
+# ones with 128-long K steps (more programs, each reusing its loads over more rows).
 _DECODE = MatmulConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=8, persistent=True)
 _DECODE_NARROW = dataclasses.replace(_DECODE, block_n=32)  # N = 1024: 32 programs instead of 8
-SMALL_M_CONFIGS: dict[str, SmallMConfig | None] = {
+_DECODE_WIDE_K = MatmulConfig(64, 64, 128, num_warps=4, num_stages=6)
+SMALL_M_CONFIGS: dict[str, SmallMConfig | tuple[SmallMConfig, ...] | None] = {
     "bfloat16": SmallMConfig(256, _DECODE),
     "float16": SmallMConfig(256, _DECODE),
     "float32": None,  # ieee fp32 runs on FMA units: compute-bound well below M = 256
 }
-SMALL_M_OVERRIDES: dict[tuple[str, int, int], SmallMConfig | None] = {
+SMALL_M_OVERRIDES: dict[tuple[str, int, int], SmallMConfig | tuple[SmallMConfig, ...] | None] = {
     ("bfloat16", 1024, 4096): SmallMConfig(256, _DECODE_NARROW),  # Qwen3-8B k/v
     # Wide N already gives every SM tiles; from M = 256 the large tiles' operand reuse wins there.
     ("bfloat16", 12288, 4096): SmallMConfig(128, _DECODE),  # gate/up
     ("bfloat16", 24576, 4096): SmallMConfig(128, _DECODE),  # gate and up fused
-    ("bfloat16", 4096, 4096): SmallMConfig(256, MatmulConfig(64, 64, 128, num_warps=4, num_stages=6)),  # q/o
+    ("bfloat16", 4096, 4096): (SmallMConfig(16, _DECODE), SmallMConfig(256, _DECODE_WIDE_K)),  # q/o
+    ("bfloat16", 4096, 12288): (SmallMConfig(16, _DECODE), SmallMConfig(256, _DECODE_WIDE_K)),  # down
     ("bfloat16", 151936, 4096): SmallMConfig(128, MatmulConfig(64, 128, 128, num_warps=4, num_stages=4)),  # lm_head
 }
 
@@ -148,18 +153,26 @@ def matmul_config(dtype: torch.dtype, n: int, k: int) -> MatmulConfig:
     return GPU_CONFIG_OVERRIDES.get((name, n, k), GPU_CONFIGS[name])
 
 
-def small_m_config(dtype: torch.dtype, n: int, k: int) -> SmallMConfig | None:
-    """The config for small M at (dtype, N, K), or None: then every M runs `matmul_config`'s."""
+def small_m_tiers(dtype: torch.dtype, n: int, k: int) -> tuple[SmallMConfig, ...]:
+    """The small-M tiers at (dtype, N, K), ascending max_m; none: every M runs `matmul_config`'s."""
     if interpreting():
-        return INTERPRETER_SMALL_M
-    name = _dtype_name(dtype)
-    return SMALL_M_OVERRIDES.get((name, n, k), SMALL_M_CONFIGS[name])
+        rule = INTERPRETER_SMALL_M
+    else:
+        name = _dtype_name(dtype)
+        rule = SMALL_M_OVERRIDES.get((name, n, k), SMALL_M_CONFIGS[name])
+    tiers = () if rule is None else (rule,) if isinstance(rule, SmallMConfig) else tuple(rule)
+    return tuple(sorted(tiers, key=lambda t: t.max_m))
+
+
+def small_m_config(dtype: torch.dtype, n: int, k: int) -> SmallMConfig | None:
+    """The widest small-M tier at (dtype, N, K) (the largest max_m), or None."""
+    tiers = small_m_tiers(dtype, n, k)
+    return tiers[-1] if tiers else None
 
 
 def config_at(dtype: torch.dtype, n: int, k: int, m: int) -> MatmulConfig:
-    """The config a product of M rows runs: the small-M one up to its max_m, else the table's."""
-    rule = small_m_config(dtype, n, k)
-    return rule.config if rule is not None and m <= rule.max_m else matmul_config(dtype, n, k)
+    """The config a product of M rows runs: the first small-M tier whose max_m M does not pass, else the table's."""
+    return next((t.config for t in small_m_tiers(dtype, n, k) if m <= t.max_m), matmul_config(dtype, n, k))
 
 
 def check_same_reduction_order(large: MatmulConfig, small: MatmulConfig, dtype: torch.dtype, gpu: bool = True) -> None:
@@ -195,9 +208,8 @@ def fused_keeps_bits(dtype: torch.dtype, parts: list[int], k: int) -> bool:
     size = dtype.itemsize
     configs = []
     for n in [*parts, sum(parts)]:
-        rule = small_m_config(dtype, n, k)
         configs += [(c, c.tma and (k * size) % 16 == 0 and (n * size) % 16 == 0)
-                    for c in (matmul_config(dtype, n, k), rule.config if rule is not None else None) if c is not None]
+                    for c in (matmul_config(dtype, n, k), *(t.config for t in small_m_tiers(dtype, n, k)))]
     if len({tma for _, tma in configs}) != 1:
         return False
     base = min(configs, key=lambda ct: ct[0].block_k)[0]
@@ -387,7 +399,8 @@ class _Plan:
     # argument binding. Their specialisation is fixed by this plan: descriptors specialise on
     # dtype and block shape only, N and K are the plan's, and M is never specialised.
     tma_kernels: dict = dataclasses.field(default_factory=dict)
-    # The plan for M <= small_max_m (the small-M config: same bits, other tiles), for plans of the table only.
+    # The plan for M <= small_max_m (a small-M tier: same bits, other tiles), for plans of the table only; its own
+    # `small` is the next narrower tier.
     small: _Plan | None = None
     small_max_m: int = 0
 
@@ -428,10 +441,14 @@ def _plan(dtype: torch.dtype, n: int, k: int, device_index: int, config: MatmulC
     plan = _plans.get(key)
     if plan is None:
         plan = _make_plan(*key)
-        rule = small_m_config(dtype, n, k) if config is None else None  # an explicit config runs at every M
-        if rule is not None and rule.config != plan.config:
+        tiers = small_m_tiers(dtype, n, k) if config is None else ()  # an explicit config runs at every M
+        outer = plan
+        for rule in reversed(tiers):  # widest first: each tier's plan hands the smaller M to the next
+            if rule.config == outer.config:
+                continue
             check_same_reduction_order(plan.config, rule.config, dtype, gpu=not plan.interpreting)
-            plan.small, plan.small_max_m = _make_plan(dtype, n, k, device_index, rule.config), rule.max_m
+            outer.small, outer.small_max_m = _make_plan(dtype, n, k, device_index, rule.config), rule.max_m
+            outer = outer.small
         _plans[key] = plan
     return plan
 
@@ -506,7 +523,7 @@ def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig
         c = (init if init is not None else torch.zeros((m, n), dtype=torch.float32, device=a.device)).to(out_dtype)
         return c if out is None else out.copy_(c)
     plan = _plan(a.dtype, n, k, a.get_device(), config)
-    if m <= plan.small_max_m:
+    while m <= plan.small_max_m:
         plan = plan.small  # narrower tiles, more programs: the same reduction order (checked in _plan)
     cfg = plan.config
     if out is not None and not plan.round_on_host:
