@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from rl_engine.kernels.ops.triton.attention.paged_write import write_kv_pages
 from rl_engine.models.config import ModelConfig
 
 NULL_PAGE = 0
@@ -148,8 +149,12 @@ class PagedKvCache:
         w = self._written
         if w is None or w[0] is not positions or w[1] is not self.block_table:  # the forward's first layer
             w = self._written = (positions, self.block_table, pool_slots(self.block_table, positions, self.page_size))
-        write_pages(self.k[layer], self.block_table, positions, k, w[2])
-        write_pages(self.v[layer], self.block_table, positions, v, w[2])
+        kp, vp = self.k[layer], self.v[layer]
+        if kp.is_cuda and k.dtype == v.dtype == kp.dtype:  # one launch for both: a copy, the same bits
+            write_kv_pages(kp, vp, w[2], k, v)
+        else:
+            write_pages(kp, self.block_table, positions, k, w[2])
+            write_pages(vp, self.block_table, positions, v, w[2])
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's page pools [num_pages, page_size, Hkv, D], read through `block_table` (no gather)."""

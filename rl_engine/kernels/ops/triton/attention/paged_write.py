@@ -1,0 +1,38 @@
+"""The new keys and values of a forward written into the paged KV pools: one launch for both, one program per
+token. A copy (no arithmetic), so the pools hold the bits that `torch` index assignment would put there; it
+replaces two index_put launches a layer (and the copy of the strided value view from the stacked q/k/v product)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_pool_ptr, v_pool_ptr, slots_ptr, k_stride, v_stride,
+                     ROW: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < ROW
+    tl.store(k_pool_ptr + slot * ROW + cols, tl.load(k_ptr + token * k_stride + cols, mask=mask), mask=mask)
+    tl.store(v_pool_ptr + slot * ROW + cols, tl.load(v_ptr + token * v_stride + cols, mask=mask), mask=mask)
+
+
+def _rows(x: torch.Tensor, row: int) -> torch.Tensor:
+    """x [..., Hkv, D] as [tokens, Hkv·D] with unit column stride (a view where the layout allows)."""
+    x2 = x.reshape(-1, row)
+    return x2 if x2.stride(1) == 1 else x2.contiguous()
+
+
+def write_kv_pages(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> None:
+    """k_pool/v_pool [num_pages, page, Hkv, D] (contiguous) at pool rows `slots` [...] (int64) ← k/v [..., Hkv, D],
+    in place. Same dtype throughout (the caller falls back to index assignment otherwise)."""
+    row = k_pool.shape[-2] * k_pool.shape[-1]
+    k2, v2 = _rows(k, row), _rows(v, row)
+    flat = slots.reshape(-1)
+    if flat.numel():
+        _write_kv_kernel[(flat.numel(),)](k2, v2, k_pool, v_pool, flat, k2.stride(0), v2.stride(0),
+                                          ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=4)
