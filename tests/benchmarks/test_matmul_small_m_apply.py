@@ -8,7 +8,8 @@ import shutil
 
 
 def _row(shape, ms, bits=0, block_k=256, persistent=True, ms_m128=None):
-    return {"shape": shape, "bits_differ": bits, "ms_m1": ms, "ms_m128": ms if ms_m128 is None else ms_m128, "block_m": 64, "block_n": 64,
+    return {"shape": shape, "bits_differ": bits, "ms_m1": ms, "ms_m128": ms if ms_m128 is None else ms_m128,
+            "block_m": 64, "block_n": 64,
             "block_k": block_k, "group_m": 8, "num_warps": 4, "num_stages": 3, "tma": True, "persistent": persistent}
 
 

@@ -144,26 +144,31 @@ def compile_grouped_matmul(kind: str, dtype: torch.dtype):
     return _compile(fn, constants, types, cfg.num_warps, cfg.num_stages)
 
 
-MATMUL_VARIANTS = ("plain", "init", "out_fp32", "init_out_fp32", "small_m")
+MATMUL_VARIANTS = ("plain", "init", "out_fp32", "init_out_fp32", "small_m", "small_m_narrow")
 
 
 def compile_matmul(variant: str):
     """The bf16 TMA matmul kernel at its GPU tiles, activations times a weight stored [N, K] (B_TRANS):
     as one product ("plain"), or as a K-slice continuing another launch's fp32 partial ("init"),
     handing its own on ("out_fp32"), or both (a tensor-parallel rank in the middle of the chain); or
-    the small-M (decode) config at the same shape ("small_m")."""
+    the small-M (decode) tiers at the same shape ("small_m": the widest, "small_m_narrow": the narrowest), launched
+    as decode launches are (PDL: the weight's L2 prefetch, then the wait for the kernel before)."""
     from rl_engine.kernels.ops.triton.linear import matmul as mm
 
     cfg = mm.matmul_config(torch.bfloat16, 4096, 4096)
-    if variant == "small_m":
-        cfg = mm.small_m_config(torch.bfloat16, 4096, 4096).config
+    tiers = mm.small_m_tiers(torch.bfloat16, 4096, 4096)
+    if variant.startswith("small_m"):
+        cfg = (tiers[0] if variant == "small_m_narrow" else tiers[-1]).config
     has_init, out_fp32 = variant in ("init", "init_out_fp32"), variant in ("out_fp32", "init_out_fp32")
     blocks = {"a_desc": [cfg.block_m, cfg.block_k], "b_desc": [cfg.block_n, cfg.block_k],
               "c_desc": [cfg.block_m, cfg.block_n]}
     constants = dict(A_TRANS=False, B_TRANS=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                      GROUP_M=cfg.group_m, NUM_PROGRAMS=132 if cfg.persistent else mm.ONE_TILE_PER_PROGRAM,
                      DOT_FP32=False,
-                     INPUT_PRECISION=dot_precision(torch.bfloat16), HAS_INIT=has_init, OUT_FP32=out_fp32)
+                     INPUT_PRECISION=dot_precision(torch.bfloat16), HAS_INIT=has_init, OUT_FP32=out_fp32,
+                     PDL=variant.startswith("small_m"))
+    if not constants["PDL"]:
+        constants["w_ptr"] = None
     if not has_init:
         constants["init_ptr"] = None
     if not out_fp32:
@@ -172,9 +177,9 @@ def compile_matmul(variant: str):
     def types(name: str) -> str:
         if name in blocks:
             return f"tensordesc<bf16[{blocks[name][0]}, {blocks[name][1]}]>"
-        return "*fp32" if name.endswith("_ptr") else "i32"
+        return "*bf16" if name == "w_ptr" else "*fp32" if name.endswith("_ptr") else "i32"
 
-    stages = cfg.num_stages if variant in ("plain", "small_m") else mm.CONTINUATION_STAGES
+    stages = cfg.num_stages if variant in ("plain", "small_m", "small_m_narrow") else mm.CONTINUATION_STAGES
     return _compile(mm._matmul_tma_kernel, constants, types, cfg.num_warps, stages)
 
 

@@ -111,3 +111,19 @@ def test_qwen3_8b_shape_on_gpu(name, dtype):
     alone = _run(triton_op(), {k: v[1:2, 2047:] for k, v in inputs.items()}, dy[1:2, 2047:])
     assert all(torch.equal(whole[1, 2047], row[0, 0]) for whole, row in zip(got, alone))
     assert all(torch.equal(a, b) for a, b in zip(got, _run(triton_op(), inputs, dy)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_swiglu_reads_the_halves_of_a_stacked_product_in_place(dtype, monkeypatch):
+    """gate and up as the column halves of one [B, S, 2I] gate/up product (strided rows): the bits of their
+    contiguous copies; a planted row stride (the halves read as if contiguous) is caught."""
+    from rl_engine.kernels.ops.triton.activation import swiglu as module
+
+    gate_up = torch.randn(3, 2, 2 * 40, generator=torch.Generator().manual_seed(0)).to(dtype).to(DEVICE)
+    gate, up = gate_up.split(40, dim=-1)
+    assert not gate.is_contiguous()
+    want = module.swiglu(gate.contiguous(), up.contiguous())
+    assert torch.equal(module.swiglu(gate, up), want)
+    monkeypatch.setattr(module, "_rows", lambda x: x.as_strided((x.numel() // x.shape[-1], x.shape[-1]),
+                                                                (x.shape[-1], 1)))
+    assert not torch.equal(module.swiglu(gate, up), want)

@@ -1,4 +1,5 @@
-"""SwiGLU in Triton: y = silu(gate) · up, elementwise over the flattened tensors, fp32 math, one cast.
+"""SwiGLU in Triton: y = silu(gate) · up, elementwise, fp32 math, one cast. The forward reads rows of the last dim
+through their row strides, so the gate and up halves of one stacked gate/up product are read in place (no copies).
 
 Backward (recomputed from gate and up, nothing else saved), with s = sigmoid(gate):
 d_up = dy · gate · s;  d_gate = dy · up · s · (1 + gate · (1 - s)).
@@ -10,10 +11,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from rl_engine.kernels.ops.pytorch.activation.swiglu import NativeSwigluOp
 from rl_engine.kernels.ops.pytorch.base import expect_float
-from rl_engine.kernels.ops.triton.runtime import cast_rne, check_devices, needs_autograd, register_autograd
+from rl_engine.kernels.ops.triton.runtime import (
+    cast_rne,
+    check_devices,
+    interpreting,
+    needs_autograd,
+    register_autograd,
+)
 
 # Elements per program and warps: fixed, so a tensor's bits never depend on its size.
 BLOCK = 4096
@@ -21,13 +29,17 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _swiglu_forward_kernel(gate_ptr, up_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    gate = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+def _swiglu_forward_kernel(gate_ptr, up_ptr, y_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr,
+                           PDL_TRIGGER: tl.constexpr):
+    if PDL_TRIGGER:
+        gdc_launch_dependents()  # a decode matmul launched after this one may start its weight prefetch now
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     y = gate * tl.sigmoid(gate) * up
-    tl.store(y_ptr + offs, cast_rne(y, y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + row * n_cols + cols, cast_rne(y, y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -44,12 +56,22 @@ def _swiglu_backward_kernel(dy_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n, BLO
     tl.store(dup_ptr + offs, cast_rne(dup, dup_ptr.dtype.element_ty), mask=mask)
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last dim] with unit column stride: a view where the layout allows (a stacked product's half)."""
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+    return x2 if x2.shape[1] <= 1 or x2.stride(1) == 1 else x2.contiguous()
+
+
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) · up for contiguous tensors of one shape, in gate's dtype."""
-    y = torch.empty_like(gate)
-    n = gate.numel()
-    if n:
-        _swiglu_forward_kernel[(triton.cdiv(n, BLOCK),)](gate, up, y, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    """silu(gate) · up for two tensors of one shape (rows of the last dim may be strided), contiguous, in gate's
+    dtype."""
+    g2, u2 = _rows(gate), _rows(up)
+    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    rows, cols = g2.shape
+    if gate.numel():
+        _swiglu_forward_kernel[(rows, triton.cdiv(cols, BLOCK))](
+            g2, u2, y, cols, g2.stride(0), u2.stride(0), BLOCK=BLOCK, PDL_TRIGGER=not interpreting(),
+            num_warps=NUM_WARPS)
     return y
 
 
@@ -68,7 +90,7 @@ def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
 @torch.library.custom_op("rl_engine::swiglu", mutates_args=())
 def swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up (torch.ops.rl_engine.swiglu); differentiable."""
-    return swiglu_forward(gate.contiguous(), up.contiguous())
+    return swiglu_forward(gate, up)
 
 
 @swiglu_op.register_fake
@@ -106,7 +128,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     expect_float("gate", gate, "of any shape")
     expect_float("up", up, "of gate's shape")
     if not needs_autograd(gate, up):
-        return swiglu_forward(gate.contiguous(), up.contiguous())
+        return swiglu_forward(gate, up)
     return swiglu_autograd(gate, up)
 
 

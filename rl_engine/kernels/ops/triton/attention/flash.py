@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from rl_engine.kernels.ops.triton.attention.contract import _NO_WINDOW, M_INIT, RESCALE_ABOVE
 from rl_engine.kernels.ops.triton.runtime import cast_rne
@@ -344,8 +344,10 @@ def _split_combine_kernel(
     # Folds the splits' states of BLOCK_R (row, head) pairs left to right, exactly as the forward
     # kernel folds them in a program that walks every split, then normalises as it does.
     # AFTER_PDL: launched while the split kernel still runs (programmatic dependent launch), so it first
-    # waits for that kernel to finish and its writes to land.
+    # waits for that kernel to finish and its writes to land; a decode matmul after it (o_proj, launched
+    # the same way) may start its weight prefetch meanwhile.
     if AFTER_PDL:
+        gdc_launch_dependents()
         gdc_wait()
     pair = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = pair < n_rows * hq

@@ -54,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 from triton._utils import validate_block_shape
+from triton.language.extra.cuda import gdc_wait
 
 from rl_engine.kernels.ops.pytorch.linear.matmul import NativeMatmulOp
 from rl_engine.kernels.ops.triton.runtime import (
@@ -139,6 +140,7 @@ ONE_TILE_PER_PROGRAM = 1 << 30  # the stride between a non-persistent program's 
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CONTINUATION_STAGES = 1  # TMA launches that start from or hand on an fp32 partial (see _launch_tma)
+PREFETCH_ROW_BYTES = 1024  # a decode launch's L2 prefetch per weight row (_prefetch_rows_l2's asm says it too)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -287,13 +289,21 @@ def _matmul_pointer_kernel(
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
+@triton.jit
+def _prefetch_rows_l2(ptrs, mask):
+    """cp.async.bulk.prefetch.L2 of PREFETCH_ROW_BYTES from each pointer (16-byte aligned) where mask holds."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 1024; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _matmul_tma_kernel(
-    a_desc, b_desc, c_desc, M, N, K, init_ptr, out32_ptr,
+    a_desc, b_desc, c_desc, M, N, K, init_ptr, out32_ptr, w_ptr,
     A_TRANS: tl.constexpr, B_TRANS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    HAS_INIT: tl.constexpr, OUT_FP32: tl.constexpr,
+    HAS_INIT: tl.constexpr, OUT_FP32: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # HAS_INIT: see _matmul_pointer_kernel. OUT_FP32: the unrounded accumulator goes to out32_ptr
     # (fp32 [M, N], contiguous) through plain stores: an fp32 TMA store tile would not fit beside the
@@ -306,6 +316,13 @@ def _matmul_tma_kernel(
     num_tiles = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
     tile_id_c = start - NUM_PROGRAMS  # see _matmul_pointer_kernel
+    if PDL:
+        # Launched while the kernel before it still runs (programmatic dependent launch): the weight, which no
+        # kernel of the step writes, starts streaming into L2 (the head of each of the first tile's rows; w_ptr
+        # is the stored [N, K] weight), then the program waits for that kernel's end before touching a or c.
+        rows = _tile_coords(start, num_pid_m, num_pid_n, GROUP_M)[1] * BLOCK_N + tl.arange(0, BLOCK_N)
+        _prefetch_rows_l2(w_ptr + rows.to(tl.int64) * K, rows < N)
+        gdc_wait()
     for tile_id in tl.range(start, num_tiles, NUM_PROGRAMS, flatten=True):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
@@ -403,6 +420,9 @@ class _Plan:
     # `small` is the next narrower tier.
     small: _Plan | None = None
     small_max_m: int = 0
+    # A small-M tier's launches (decode): programmatic dependent launch with an L2 prefetch of the weight
+    # (_matmul_tma_kernel's PDL), where each stored weight row holds PREFETCH_ROW_BYTES. Scheduling only: no bit.
+    pdl: bool = False
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -449,6 +469,7 @@ def _plan(dtype: torch.dtype, n: int, k: int, device_index: int, config: MatmulC
             check_same_reduction_order(plan.config, rule.config, dtype, gpu=not plan.interpreting)
             outer.small, outer.small_max_m = _make_plan(dtype, n, k, device_index, rule.config), rule.max_m
             outer = outer.small
+            outer.pdl = outer.tma and not outer.interpreting and k * dtype.itemsize >= PREFETCH_ROW_BYTES
         _plans[key] = plan
     return plan
 
@@ -466,11 +487,13 @@ def _launch_hooks_set() -> bool:
 
 
 def _launch_tma(plan: _Plan, grid: int, descriptors: tuple, m: int, n: int, k: int, a_trans: bool, b_trans: bool,
-                init: torch.Tensor | None = None, out32: torch.Tensor | None = None):
+                init: torch.Tensor | None = None, out32: torch.Tensor | None = None,
+                weight: torch.Tensor | None = None):
     cfg = plan.config
     # Every kernel parameter, positionally and in order, constexprs included (the launcher skips them).
-    args = (*descriptors, m, n, k, init, out32, a_trans, b_trans, *plan.constexprs, init is not None,
-            out32 is not None)
+    pdl = plan.pdl and b_trans and init is None and out32 is None
+    args = (*descriptors, m, n, k, init, out32, weight if pdl else None, a_trans, b_trans, *plan.constexprs,
+            init is not None, out32 is not None, pdl)
     # A continuation moves an fp32 tile through shared memory (sm90 check: 131 KB at one stage, over the
     # H200's 227 KB at two). Pipelining depth changes no bit: the same dots in the same order.
     stages = cfg.num_stages if init is None and out32 is None else CONTINUATION_STAGES
@@ -479,11 +502,12 @@ def _launch_tma(plan: _Plan, grid: int, descriptors: tuple, m: int, n: int, k: i
         return
     device = torch.cuda.current_device()
     ensure_cuda_context(device)
-    key = (device, a_trans, b_trans, init is not None, out32 is not None)
+    key = (device, a_trans, b_trans, init is not None, out32 is not None, pdl)
     kernel = plan.tma_kernels.get(key)
     if kernel is None or _launch_hooks_set():
         # First call for this plan (compiles or loads from Triton's cache), or a profiler is listening.
-        plan.tma_kernels[key] = _matmul_tma_kernel[(grid,)](*args, num_warps=cfg.num_warps, num_stages=stages)
+        plan.tma_kernels[key] = _matmul_tma_kernel[(grid,)](*args, num_warps=cfg.num_warps, num_stages=stages,
+                                                            launch_pdl=pdl)
         return
     # The same compiled kernel Triton's launch would pick, launched directly: skips binding and
     # specialising 15 arguments and building the cache key on every call (the TMA descriptors are
@@ -549,7 +573,7 @@ def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig
             host_descriptor(b, b_shape, b_strides, plan.b_block[b_trans]),
             host_descriptor(c, [m, n], [n, 1], plan.c_block),
         )
-        _launch_tma(plan, grid, descriptors, m, n, k, a_trans, b_trans, init, c if out_fp32 else None)
+        _launch_tma(plan, grid, descriptors, m, n, k, a_trans, b_trans, init, c if out_fp32 else None, b)
     else:
         _matmul_pointer_kernel[(grid,)](
             a, b, c, m, n, k, init,

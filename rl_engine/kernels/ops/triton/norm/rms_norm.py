@@ -27,10 +27,17 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from rl_engine.kernels.ops.pytorch.base import expect_float
 from rl_engine.kernels.ops.pytorch.norm.rms_norm import NativeRmsNormOp
-from rl_engine.kernels.ops.triton.runtime import cast_rne, check_devices, needs_autograd, register_autograd
+from rl_engine.kernels.ops.triton.runtime import (
+    cast_rne,
+    check_devices,
+    interpreting,
+    needs_autograd,
+    register_autograd,
+)
 
 # Rows per backward program; a constant so that dweight's order never depends on the launch grid.
 ROWS_PER_PROGRAM = 32
@@ -40,8 +47,10 @@ ROWS_PER_PROGRAM = 32
 def _rms_norm_forward_kernel(
     x_ptr, weight_ptr, y_ptr, rstd_ptr,
     H, eps,
-    BLOCK_H: tl.constexpr,
+    BLOCK_H: tl.constexpr, PDL_TRIGGER: tl.constexpr,
 ):
+    if PDL_TRIGGER:
+        gdc_launch_dependents()  # a decode matmul launched after this one may start its weight prefetch now
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -105,7 +114,7 @@ def rms_norm_forward(x2d: torch.Tensor, weight: torch.Tensor, eps: float, num_wa
     block, warps = launch_config(hidden)
     if n:
         _rms_norm_forward_kernel[(n,)](x2d, weight, y, rstd, hidden, eps, BLOCK_H=block,
-                                       num_warps=num_warps or warps)
+                                       PDL_TRIGGER=not interpreting(), num_warps=num_warps or warps)
     return y, rstd
 
 
