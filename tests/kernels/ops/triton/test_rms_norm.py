@@ -138,3 +138,19 @@ def test_qwen3_8b_shape_on_gpu(dtype):
     assert _rows_bitwise_equal(TritonRmsNormOp(), x, weight, dy, [(0, 0), (3, 2047), (2, 1000)])
     again = _run(TritonRmsNormOp(), x, weight, dy)
     assert all(torch.equal(a, b) for a, b in zip((y, dx, dweight), again))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_heads_of_a_stacked_product_are_normed_in_place_with_the_bits_of_a_copy(dtype, monkeypatch):
+    """q's heads as a view of one [B, (Hq + 2 Hkv) D] q/k/v product (the decoder's q_norm input at decode): read in
+    place (tokens × heads) with the bits of the contiguous copy; a planted token stride is caught."""
+    from rl_engine.kernels.ops.triton.norm import rms_norm as module
+
+    qkv = torch.randn(3, (4 + 2 * 2) * 16, generator=torch.Generator().manual_seed(0)).to(dtype).to(DEVICE)
+    q = qkv[:, : 4 * 16].view(3, 4, 16)
+    w = torch.randn(16, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    assert not q.is_contiguous() and module._row_layout(q)[1:] == (4, qkv.stride(0), 16)
+    want = module.rms_norm(q.contiguous(), w)
+    assert torch.equal(module.rms_norm(q, w), want)
+    monkeypatch.setattr(module, "_row_layout", lambda x: (x, x.shape[1], x.shape[1] * x.shape[2], x.shape[2]))
+    assert not torch.equal(module.rms_norm(q, w), want)

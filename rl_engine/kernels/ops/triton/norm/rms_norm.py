@@ -46,15 +46,18 @@ ROWS_PER_PROGRAM = 32
 @triton.jit
 def _rms_norm_forward_kernel(
     x_ptr, weight_ptr, y_ptr, rstd_ptr,
-    H, eps,
+    H, eps, group_rows, stride_group, stride_row,
     BLOCK_H: tl.constexpr, PDL_TRIGGER: tl.constexpr,
 ):
+    # x's row r lies at (r // group_rows) · stride_group + (r % group_rows) · stride_row: contiguous rows, or a
+    # stacked product's heads read in place (q or k of q/k/v: tokens × heads). y is contiguous.
     if PDL_TRIGGER:
         gdc_launch_dependents()  # a decode matmul launched after this one may start its weight prefetch now
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
-    x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+    src = (row // group_rows) * stride_group + (row % group_rows) * stride_row
+    x = tl.load(x_ptr + src + cols, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
     y = x * rstd * w
@@ -106,15 +109,33 @@ def launch_config(hidden: int) -> tuple[int, int]:
     return block, num_warps
 
 
-def rms_norm_forward(x2d: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int | None = None):
-    """(y [N,H] in x's dtype, rstd [N] fp32) for contiguous rows x2d [N,H]."""
-    n, hidden = x2d.shape
-    y = torch.empty_like(x2d)
-    rstd = torch.empty(n, dtype=torch.float32, device=x2d.device)
+def _row_layout(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """(x or a copy, group_rows, stride_group, stride_row) locating the kernel's rows of x [..., H]: rows in place
+    where x views as [rows, H] or [groups, rows, H] with a unit last stride, else a contiguous copy."""
+    hidden = x.shape[-1]
+    for shape in ((-1, hidden), (-1, x.shape[-2] if x.dim() > 1 else 1, hidden)):
+        try:
+            v = x.view(shape)
+        except RuntimeError:
+            continue
+        if v.numel() and (hidden == 1 or v.stride(-1) == 1):
+            return (v, max(v.shape[0], 1), 0, v.stride(0)) if v.dim() == 2 else (v, v.shape[1], v.stride(0),
+                                                                                    v.stride(1))
+    return x.reshape(-1, hidden).contiguous(), max(x.numel() // max(hidden, 1), 1), 0, hidden
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int | None = None):
+    """(y [N,H] contiguous in x's dtype, rstd [N] fp32) for the N rows of x [..., H] (read in place where the
+    layout allows: `_row_layout`)."""
+    hidden = x.shape[-1]
+    n = x.numel() // hidden if hidden else 0
+    y = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
+    rstd = torch.empty(n, dtype=torch.float32, device=x.device)
     block, warps = launch_config(hidden)
     if n:
-        _rms_norm_forward_kernel[(n,)](x2d, weight, y, rstd, hidden, eps, BLOCK_H=block,
-                                       PDL_TRIGGER=not interpreting(), num_warps=num_warps or warps)
+        src, group_rows, stride_group, stride_row = _row_layout(x)
+        _rms_norm_forward_kernel[(n,)](src, weight, y, rstd, hidden, eps, group_rows, stride_group, stride_row,
+                                       BLOCK_H=block, PDL_TRIGGER=not interpreting(), num_warps=num_warps or warps)
     return y, rstd
 
 
@@ -185,7 +206,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     expect_float("weight", weight, "[H]")
     if not needs_autograd(x, weight):
         # Without autograd: the kernel alone, no custom op (its host cost shows at small shapes).
-        y, _ = rms_norm_forward(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), eps)
+        y, _ = rms_norm_forward(x, weight.contiguous(), eps)
         return y.reshape(x.shape)
     return rms_norm_autograd(x, weight, eps)[0]
 
