@@ -87,32 +87,40 @@ TIMINGS = {
 }
 
 
-def candidates(quick: bool, block_ks: list[int] | None = None) -> list[MatmulConfig]:
+def candidates(quick: bool, block_ks: list[int] | None = None, swap_ab: bool = False) -> list[MatmulConfig]:
     """Small-M candidates in the large config's instruction family (BLOCK_M 64, 4 warps). BLOCK_K: the large
     config's, or each of `block_ks` (a multiple of it is the same k16 wgmma chain, longer per step: whether the
-    bits hold is what the sweep's bit check shows) with as many stages as fit shared memory (at most 8)."""
+    bits hold is what the sweep's bit check shows) with as many stages as fit shared memory (at most 8).
+    swap_ab: swapped tiles instead (MatmulConfig.swap_ab: 8 or 16 activation rows against 64 or 128 weight rows)."""
+    stages = lambda rows, bn, bk: min(8, SMEM_BYTES // ((rows + bn) * bk * DTYPE.itemsize))  # noqa: E731
+    if swap_ab:
+        return [MatmulConfig(bm, bn, bk, group_m=8, num_warps=4, num_stages=stages(bm, bn, bk), persistent=p,
+                             swap_ab=True)
+                for bk in block_ks or [matmul_config(DTYPE, 4096, 4096).block_k] for bm in (8, 16) for bn in (64, 128)
+                for p in (True, False)]
     if not block_ks:
         block_k = matmul_config(DTYPE, 4096, 4096).block_k
         grid = [(bn, block_k, st, p) for bn in (32, 64, 128) for st in (4, 6, 8) for p in (True, False)]
         if quick:
             grid = [g for g in grid if g[2] == 6]
     else:
-        stages = lambda bn, bk: min(8, SMEM_BYTES // ((64 + bn) * bk * DTYPE.itemsize))  # noqa: E731
-        grid = [(bn, bk, stages(bn, bk), p) for bk in block_ks for bn in (32, 64, 128) for p in (True, False)]
+        grid = [(bn, bk, stages(64, bn, bk), p) for bk in block_ks for bn in (32, 64, 128) for p in (True, False)]
     return [MatmulConfig(64, bn, bk, group_m=8, num_warps=4, num_stages=st, persistent=p)
             for bn, bk, st, p in grid if st >= 2]
 
 
 def label(cfg: MatmulConfig) -> str:
     grid = "persistent" if cfg.persistent else "one-tile"
-    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} {grid}"
+    swap = " swap_ab" if cfg.swap_ab else ""
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} {grid}{swap}"
 
 
 def source(cfg: MatmulConfig) -> str:
     """The config as matmul.py's table writes it."""
     tma = "" if cfg.tma else ", tma=False"
+    swap = ", swap_ab=True" if cfg.swap_ab else ""
     return (f"MatmulConfig({cfg.block_m}, {cfg.block_n}, {cfg.block_k}, group_m={cfg.group_m}, "
-            f"num_warps={cfg.num_warps}, num_stages={cfg.num_stages}{tma}, persistent={cfg.persistent})")
+            f"num_warps={cfg.num_warps}, num_stages={cfg.num_stages}{tma}, persistent={cfg.persistent}{swap})")
 
 
 def weight_gbps(n: int, k: int, ms: float) -> float:
@@ -186,7 +194,7 @@ def _score(row: dict) -> float | None:
 def recommend(rows: list[dict]) -> dict:
     """The candidate with the best geometric-mean time over the swept shapes and M, as a table line;
     per-shape override lines where a shape's best beats it by SWEEP_MARGIN_PCT."""
-    fields = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "tma", "persistent")
+    fields = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "tma", "persistent", "swap_ab")
     scores = {(r["shape"], r["config"]): _score(r) for r in rows}
     shapes = sorted({r["shape"] for r in rows}, key=list(SHAPES).index)
     configs = list(dict.fromkeys(r["config"] for r in rows))
@@ -233,7 +241,7 @@ def apply_overrides(sweep: list[dict], timing: list[dict], path: str = MATMUL_SO
     block, tail = rest.split("\n}\n", 1)
     written = []
     name = str(DTYPE).removeprefix("torch.")
-    fields = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "tma", "persistent")
+    fields = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "tma", "persistent", "swap_ab")
     for shape in dict.fromkeys(r["shape"] for r in sweep):
         n, k = SHAPES[shape]
         rule = _gpu_rule(name, n, k)
@@ -246,7 +254,7 @@ def apply_overrides(sweep: list[dict], timing: list[dict], path: str = MATMUL_SO
                             key=lambda r: r[f"ms_m{m}"])
             gain = 100 * (now / ranked[0][f"ms_m{m}"] - 1) if now and ranked else 0.0
             if gain >= SWEEP_MARGIN_PCT:
-                tiers.append(MatmulConfig(**{f: ranked[0][f] for f in fields}))
+                tiers.append(MatmulConfig(**{f: ranked[0][f] for f in fields if f in ranked[0]}))
                 gains.append(f"M = {m}: {gain:.0f}% faster")
             else:
                 tiers.append(_gpu_config_at(name, n, k, m))
@@ -342,6 +350,8 @@ def main() -> int:
                         f"{', '.join(QUICK_SHAPES)})")
     parser.add_argument("--block-k", type=lambda v: [int(x) for x in v.split(",")], metavar="K,K",
                         help="sweep these BLOCK_K (stages fitted to shared memory) instead of the large config's")
+    parser.add_argument("--swap-ab", action="store_true",
+                        help="sweep swapped tiles (weight rows on the tensor core's 64-row side) instead")
     parser.add_argument("--sweep-until-s", type=float, default=SWEEP_UNTIL_S,
                         help=f"start no sweep candidate after this many seconds (default {SWEEP_UNTIL_S})")
     parser.add_argument("--apply", action="store_true",
@@ -357,7 +367,7 @@ def main() -> int:
     copy_gbps = copy.get("gb_per_s")
     print(f"copy ceiling {copy_gbps} GB/s", flush=True)
     shapes = args.shapes or (QUICK_SHAPES if args.quick else list(SHAPES))
-    configs = [] if args.no_sweep else candidates(args.quick, args.block_k)
+    configs = [] if args.no_sweep else candidates(args.quick, args.block_k, args.swap_ab)
     bits, sweep, timing = [], [], []
     for name in shapes:
         print(f"{name}: N={SHAPES[name][0]} K={SHAPES[name][1]}", flush=True)

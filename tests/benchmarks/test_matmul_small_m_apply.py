@@ -48,3 +48,14 @@ def test_apply_writes_a_tier_per_m_where_the_winners_differ(load_benchmark, tmp_
     assert line.startswith(f'("bfloat16", 24576, 4096): (SmallMConfig({mod.NARROW_MAX_M}, MatmulConfig(64, 64, 128, '
                            f'num_warps=4)), SmallMConfig(128, {now})),  # gate_up'), line
     ast.parse(path.read_text())
+
+
+def test_apply_writes_a_swapped_winner_with_its_flag(load_benchmark, tmp_path):
+    mod = load_benchmark("matmul_small_m")
+    path = tmp_path / "matmul.py"
+    shutil.copy(mod.MATMUL_SOURCE, path)
+    timing = [{"shape": "q/o", "M": m, "ours_ms": 0.05} for m in mod.SWEEP_BATCH]
+    row = {**_row("q/o", 0.02, block_k=64, ms_m128=0.5), "block_m": 16, "swap_ab": True}
+    (line,) = mod.apply_overrides([row], timing, str(path))
+    assert f"SmallMConfig({mod.NARROW_MAX_M}, MatmulConfig(16, 64, 64, num_warps=4, swap_ab=True))" in line, line
+    assert [c.swap_ab for c in mod.candidates(False, [64, 128], swap_ab=True)] == [True] * 16

@@ -144,7 +144,9 @@ def compile_grouped_matmul(kind: str, dtype: torch.dtype):
     return _compile(fn, constants, types, cfg.num_warps, cfg.num_stages)
 
 
-MATMUL_VARIANTS = ("plain", "init", "out_fp32", "init_out_fp32", "small_m", "small_m_narrow")
+MATMUL_VARIANTS = ("plain", "init", "out_fp32", "init_out_fp32", "small_m", "small_m_narrow", "swap_ab")
+# A swapped decode tile (MatmulConfig.swap_ab): 16 activation rows on the tensor core's N side, 64 weight rows.
+SWAP_AB_PROBE = dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=6, swap_ab=True)
 
 
 def compile_matmul(variant: str):
@@ -159,6 +161,8 @@ def compile_matmul(variant: str):
     tiers = mm.small_m_tiers(torch.bfloat16, 4096, 4096)
     if variant.startswith("small_m"):
         cfg = (tiers[0] if variant == "small_m_narrow" else tiers[-1]).config
+    if variant == "swap_ab":
+        cfg = mm.MatmulConfig(**SWAP_AB_PROBE)
     has_init, out_fp32 = variant in ("init", "init_out_fp32"), variant in ("out_fp32", "init_out_fp32")
     blocks = {"a_desc": [cfg.block_m, cfg.block_k], "b_desc": [cfg.block_n, cfg.block_k],
               "c_desc": [cfg.block_m, cfg.block_n]}
@@ -166,7 +170,7 @@ def compile_matmul(variant: str):
                      GROUP_M=cfg.group_m, NUM_PROGRAMS=132 if cfg.persistent else mm.ONE_TILE_PER_PROGRAM,
                      DOT_FP32=False,
                      INPUT_PRECISION=dot_precision(torch.bfloat16), HAS_INIT=has_init, OUT_FP32=out_fp32,
-                     PDL=variant.startswith("small_m"))
+                     PDL=variant.startswith("small_m") or variant == "swap_ab", SWAP_AB=cfg.swap_ab)
     if not constants["PDL"]:
         constants["w_ptr"] = None
     if not has_init:
@@ -179,7 +183,7 @@ def compile_matmul(variant: str):
             return f"tensordesc<bf16[{blocks[name][0]}, {blocks[name][1]}]>"
         return "*bf16" if name == "w_ptr" else "*fp32" if name.endswith("_ptr") else "i32"
 
-    stages = cfg.num_stages if variant in ("plain", "small_m", "small_m_narrow") else mm.CONTINUATION_STAGES
+    stages = cfg.num_stages if variant in ("plain", "small_m", "small_m_narrow", "swap_ab") else mm.CONTINUATION_STAGES
     return _compile(mm._matmul_tma_kernel, constants, types, cfg.num_warps, stages)
 
 

@@ -397,7 +397,7 @@ def _check_direct_launch(launch_tma, plan, calls):
         launch_tma(plan, 3, descriptors, m, 40, 48, False, True)
     (via_triton, _, triton_args, options), (via_run, grid, direct_args, extra) = calls
     assert (via_triton, via_run) == ("triton", "direct")
-    expected = (*descriptors, 1, 40, 48, None, None, None, False, True, *plan.constexprs, False, False, False)
+    expected = (*descriptors, 1, 40, 48, None, None, None, False, True, *plan.constexprs, False, False, False, False)
     assert direct_args == expected, f"direct launch passed {direct_args}"
     assert grid == (3,) and extra == {"stream": 1234, "hooks": (None, None)}
     assert triton_args[3:] == (33, *expected[4:]), "both paths bind the kernel's parameters in one order"
@@ -413,11 +413,11 @@ def test_a_decode_plan_launches_with_pdl_and_hands_the_weight(fake_gpu_launch):
     for m in (33, 1):
         module._launch_tma(plan, 3, ("a", "b", "c"), m, 40, 48, False, True, weight=weight)
     (_, _, triton_args, options), (_, _, direct_args, _) = calls
-    assert direct_args[8] is weight and direct_args[-1] is True and options["launch_pdl"] is True
-    assert triton_args[8] is weight and triton_args[-1] is True
+    assert direct_args[8] is weight and direct_args[-2] is True and options["launch_pdl"] is True
+    assert triton_args[8] is weight and triton_args[-2] is True
     init = torch.zeros(1, 40)
     module._launch_tma(plan, 3, ("a", "b", "c"), 1, 40, 48, False, True, init, weight=weight)
-    assert calls[-1][2][8] is None and calls[-1][2][-1] is False and calls[-1][3]["launch_pdl"] is False
+    assert calls[-1][2][8] is None and calls[-1][2][-2] is False and calls[-1][3]["launch_pdl"] is False
 
 
 def test_direct_launch_passes_what_triton_would(fake_gpu_launch):
@@ -435,7 +435,8 @@ def test_direct_launch_check_catches_swapped_arguments(fake_gpu_launch):
         kernel = plan.tma_kernels.get((0, a_trans, b_trans, False, False, False))
         if kernel is None:
             return module._launch_tma(plan, grid, descriptors, m, n, k, a_trans, b_trans)
-        args = (*descriptors, m, k, n, None, None, None, a_trans, b_trans, *plan.constexprs, False, False, False)
+        args = (*descriptors, m, k, n, None, None, None, a_trans, b_trans, *plan.constexprs, False, False, False,
+                False)
         kernel.run(grid, 1, 1, 1234, kernel.function, kernel.packed_metadata, None, None, None, *args)
 
     with pytest.raises(AssertionError, match="direct launch passed"):

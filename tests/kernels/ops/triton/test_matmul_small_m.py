@@ -221,3 +221,58 @@ def test_a_multiple_of_block_k_keeps_the_wgmma_chain_and_nothing_else_does(block
     for dtype, gpu in ((torch.bfloat16, False), (torch.float32, True)):
         with pytest.raises(ValueError, match="equal to"):
             check_same_reduction_order(large, small, dtype, gpu=gpu)
+
+
+# --- swapped tiles (MatmulConfig.swap_ab): the kernel under the interpreter, the rule, the dispatch -----------------
+# The interpreter's dot is a numpy product per block, whose summation order may follow the operands' roles: values
+# are compared here (to fp32 rounding), bits on the GPU (the gate's row tests, once a table entry swaps).
+SWAP = dataclasses.replace(INTERPRETER_CONFIG, block_m=8, block_n=16, tma=True, swap_ab=True)
+
+
+@interpreter_only
+@pytest.mark.parametrize("m", [1, 5, 8, 13])
+def test_a_swapped_tile_computes_the_product(m):
+    a = _randn(m, K, dtype=torch.float32, seed=20)
+    w = _randn(N, K, dtype=torch.float32, seed=21)
+    got = batch_invariant_mm(a, w.t(), config=SWAP)
+    torch.testing.assert_close(got, a @ w.t(), rtol=1e-5, atol=1e-5)
+    # a K-split over two launches (the tensor-parallel chain: init, then the fp32 hand-over) gives the same values
+    half = K // 2
+    part = batch_invariant_mm(a[:, :half], w[:, :half].t(), config=SWAP, out_fp32=True)
+    whole = batch_invariant_mm(a[:, half:], w[:, half:].t(), config=SWAP, init=part)
+    torch.testing.assert_close(whole, got, rtol=1e-5, atol=1e-5)
+
+
+def test_the_rule_admits_a_swapped_tier_only_as_a_16_bit_gpu_wgmma_tile():
+    large = GPU_CONFIGS["bfloat16"]
+    swap = MatmulConfig(16, 64, 64, num_warps=4, num_stages=6, swap_ab=True)
+    check_same_reduction_order(large, swap, torch.bfloat16, gpu=True)
+    for dtype, gpu, cfg, match in (
+        (torch.bfloat16, False, swap, "swap_ab"),  # the interpreter
+        (torch.float32, True, swap, "swap_ab"),  # FMA
+        (torch.bfloat16, True, dataclasses.replace(swap, tma=False), "tma"),
+        (torch.bfloat16, True, dataclasses.replace(swap, block_n=32), "BLOCK_N"),  # the 64-row side is the weight's
+        (torch.bfloat16, True, dataclasses.replace(swap, block_m=12), "BLOCK_N"),  # wgmma N: multiples of 8
+    ):
+        with pytest.raises(ValueError, match=match):
+            check_same_reduction_order(large, cfg, dtype, gpu=gpu)
+
+
+@interpreter_only
+def test_a_swapped_tier_runs_only_on_a_stored_weight(monkeypatch):
+    """Dispatch: a swap tier reads b as a stored [N, K] weight; any other b runs the next wider tier."""
+    monkeypatch.setattr(module, "INTERPRETER_SMALL_M", (INTERPRETER_SMALL_M, SmallMConfig(3, SWAP)))
+    monkeypatch.setattr(module, "check_same_reduction_order", lambda *args, **kw: None)  # the GPU's rule
+    module._plans.clear()
+    a = _randn(2, K, dtype=torch.float32, seed=22)
+    w = _randn(N, K, dtype=torch.float32, seed=23)
+    ran = []
+    real = module._launch_tma
+    monkeypatch.setattr(module, "_launch_tma", lambda plan, *args, **kw: (ran.append(plan.config), real(plan, *args,
+                                                                                                          **kw))[1])
+    torch.testing.assert_close(batch_invariant_mm(a, w.t()), a @ w.t(), rtol=1e-5, atol=1e-5)
+    assert ran[-1] == SWAP
+    got = batch_invariant_mm(a, w.t().contiguous())  # [K, N] row-major: not a stored weight
+    torch.testing.assert_close(got, a @ w.t(), rtol=1e-5, atol=1e-5)
+    assert ran == [SWAP], "the wider tier (pointer loads here) ran instead"
+    module._plans.clear()

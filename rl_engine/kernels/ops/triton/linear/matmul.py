@@ -82,6 +82,10 @@ class MatmulConfig:
     num_stages: int = 3
     tma: bool = True
     persistent: bool = True  # False: one tile per program (grid = #tiles), for configs of many small tiles
+    # True: each tile is computed as its transpose, weight tile × activation tileᵀ (`_matmul_tma_kernel`'s SWAP_AB):
+    # the weight rows fill the tensor core's 64-row side and the few activation rows its narrow N side, instead of
+    # padding M = 1 to 64 rows. Small-M tiers only, 16-bit on the GPU (check_same_reduction_order).
+    swap_ab: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +193,9 @@ def check_same_reduction_order(large: MatmulConfig, small: MatmulConfig, dtype: 
     the gate's row tests); no table entry uses a longer step until that sweep's bit check (run before its
     timing; --apply writes only bit-equal winners) and the gate have shown it too. gpu=False (the
     interpreter, whose dot is one numpy product per block) and fp32 (FMA): the same BLOCK_K only.
+    swap_ab (a 16-bit GPU small-M tier): each element is still one accumulator over the same exact products in
+    the same k16 steps, only the operands' roles are swapped; the gate's row tests must show it before a table
+    entry uses it (benchmarks/matmul_small_m.py --swap-ab sweeps such configs, bit check first).
     """
     chain = gpu and dtype in (torch.bfloat16, torch.float16)  # wgmma: a tl.dot is a chain of k16 instructions
     same_walk = small.block_k == large.block_k or (chain and small.block_k % large.block_k == 0)
@@ -196,10 +203,16 @@ def check_same_reduction_order(large: MatmulConfig, small: MatmulConfig, dtype: 
         rule = "a multiple of" if chain else "equal to"
         raise ValueError(f"small-M config: BLOCK_K {small.block_k} / tma {small.tma} must be {rule} the large "
                          f"config's ({large.block_k} / {large.tma}): they fix each element's reduction order")
-    wgmma = all(c.block_m % 64 == 0 and c.num_warps % 4 == 0 for c in (large, small))
+    if small.swap_ab and not (chain and small.tma and not large.swap_ab):
+        raise ValueError("small-M config: swap_ab runs only as a 16-bit small-M tier on the GPU (wgmma)")
+    # The side of the tile that the tensor core's 64-row operand covers: the weight's rows when swapped.
+    rows = lambda c: c.block_n if c.swap_ab else c.block_m  # noqa: E731
+    wgmma = all(rows(c) % 64 == 0 and c.num_warps % 4 == 0 for c in (large, small)) and (
+        not small.swap_ab or small.block_m % 8 == 0)
     if chain and not wgmma:
-        raise ValueError(f"small-M config: BLOCK_M {small.block_m} (multiple of 64) and num_warps {small.num_warps} "
-                         "(multiple of 4) keep the large config's wgmma instructions")
+        side = "BLOCK_N (swapped)" if small.swap_ab else "BLOCK_M"
+        raise ValueError(f"small-M config: {side} {rows(small)} (multiple of 64), num_warps {small.num_warps} "
+                         "(multiple of 4) and a swapped BLOCK_M of 8s keep the large config's wgmma instructions")
 
 
 def fused_keeps_bits(dtype: torch.dtype, parts: list[int], k: int) -> bool:
@@ -303,13 +316,15 @@ def _matmul_tma_kernel(
     A_TRANS: tl.constexpr, B_TRANS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    HAS_INIT: tl.constexpr, OUT_FP32: tl.constexpr, PDL: tl.constexpr,
+    HAS_INIT: tl.constexpr, OUT_FP32: tl.constexpr, PDL: tl.constexpr, SWAP_AB: tl.constexpr = False,
 ):  # fmt: skip
     # HAS_INIT: see _matmul_pointer_kernel. OUT_FP32: the unrounded accumulator goes to out32_ptr
     # (fp32 [M, N], contiguous) through plain stores: an fp32 TMA store tile would not fit beside the
     # pipeline's buffers in shared memory. Both off: the kernel as it always was.
     # A_TRANS: a_desc describes the stored [K,M] tensor whose transpose is a; B_TRANS: b_desc
     # describes the stored [N,K] tensor (a weight) whose transpose is b. TMA zero-fills outside.
+    # SWAP_AB (B_TRANS, not A_TRANS): the accumulator holds the tile's transpose, [BLOCK_N, BLOCK_M] = w · aᵀ, each
+    # element the same products walked in the same K order with the operands' roles swapped.
     start = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -332,22 +347,36 @@ def _matmul_tma_kernel(
             cols = off_n + tl.arange(0, BLOCK_N)
             acc = tl.load(init_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :],
                           mask=(rows[:, None] < M) & (cols[None, :] < N), other=0.0)
+            if SWAP_AB:
+                acc = tl.trans(acc)
+        elif SWAP_AB:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             off_k = ki * BLOCK_K
-            if A_TRANS:
-                a = a_desc.load([off_k, off_m]).T
-            else:
+            if SWAP_AB:
                 a = a_desc.load([off_m, off_k])
-            if B_TRANS:
-                b = b_desc.load([off_n, off_k]).T
+                w = b_desc.load([off_n, off_k])
+                if DOT_FP32:
+                    a = a.to(tl.float32)
+                    w = w.to(tl.float32)
+                acc = tl.dot(w, a.T, acc, input_precision=INPUT_PRECISION)
             else:
-                b = b_desc.load([off_k, off_n])
-            if DOT_FP32:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+                if A_TRANS:
+                    a = a_desc.load([off_k, off_m]).T
+                else:
+                    a = a_desc.load([off_m, off_k])
+                if B_TRANS:
+                    b = b_desc.load([off_n, off_k]).T
+                else:
+                    b = b_desc.load([off_k, off_n])
+                if DOT_FP32:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        if SWAP_AB:
+            acc = tl.trans(acc)
 
         tile_id_c += NUM_PROGRAMS
         pid_m, pid_n = _tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
@@ -358,6 +387,12 @@ def _matmul_tma_kernel(
                      mask=(rows_c[:, None] < M) & (cols_c[None, :] < N))
         else:
             c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
+
+
+def _stored_rows(b: torch.Tensor) -> bool:
+    """Whether b [K, N] is the transpose of a row-major [N, K] tensor (a weight as stored): what SWAP_AB reads."""
+    layout = _row_major_layout(b)
+    return layout is not None and layout[2] and _tma_compatible(b, layout[1])
 
 
 def _row_major_layout(t: torch.Tensor) -> tuple[list[int], list[int], bool] | None:
@@ -493,7 +528,7 @@ def _launch_tma(plan: _Plan, grid: int, descriptors: tuple, m: int, n: int, k: i
     # Every kernel parameter, positionally and in order, constexprs included (the launcher skips them).
     pdl = plan.pdl and b_trans and init is None and out32 is None
     args = (*descriptors, m, n, k, init, out32, weight if pdl else None, a_trans, b_trans, *plan.constexprs,
-            init is not None, out32 is not None, pdl)
+            init is not None, out32 is not None, pdl, cfg.swap_ab)
     # A continuation moves an fp32 tile through shared memory (sm90 check: 131 KB at one stage, over the
     # H200's 227 KB at two). Pipelining depth changes no bit: the same dots in the same order.
     stages = cfg.num_stages if init is None and out32 is None else CONTINUATION_STAGES
@@ -547,7 +582,7 @@ def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig
         c = (init if init is not None else torch.zeros((m, n), dtype=torch.float32, device=a.device)).to(out_dtype)
         return c if out is None else out.copy_(c)
     plan = _plan(a.dtype, n, k, a.get_device(), config)
-    while m <= plan.small_max_m:
+    while m <= plan.small_max_m and (not plan.small.config.swap_ab or _stored_rows(b)):
         plan = plan.small  # narrower tiles, more programs: the same reduction order (checked in _plan)
     cfg = plan.config
     if out is not None and not plan.round_on_host:
@@ -562,7 +597,7 @@ def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig
     b_layout = _row_major_layout(b) if plan.tma else None
     if b_layout is not None and _tma_compatible(b, b_layout[1]):
         a_layout = _row_major_layout(a)
-        if a_layout is None or not _tma_compatible(a, a_layout[1]):
+        if a_layout is None or not _tma_compatible(a, a_layout[1]) or (cfg.swap_ab and a_layout[2]):
             # An activation is cheap to copy, and which kernel runs must not depend on where it lives.
             a = a.new_empty((m, k)).copy_(a)
             a_layout = [m, k], [k, 1], False
