@@ -113,11 +113,12 @@ GPU_CONFIG_OVERRIDES: dict[tuple[str, int, int], MatmulConfig] = {}
 # large config (checked); narrower N tiles and a deeper pipeline so that many programs stream the
 # weight. Keyed like the large table: dtype name, then optional (N, K) overrides (None: no small-M
 # config for that shape). `benchmarks/matmul_small_m.py` sweeps candidates and prints the lines.
-# Tiers: at M = 1 a weight panel streams fastest through 128-wide N tiles, from M = 32 on through 64-wide
-# ones with 128-long K steps (more programs, each reusing its loads over more rows).
+# Tiers: at M = 1 and M = 256 a weight panel streams fastest through 128-wide N tiles, from M = 17 to 128 through
+# 64-wide ones with 128-long K steps (more programs, each reusing its loads over more rows).
 _DECODE = MatmulConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=8, persistent=True)
 _DECODE_NARROW = dataclasses.replace(_DECODE, block_n=32)  # N = 1024: 32 programs instead of 8
 _DECODE_WIDE_K = MatmulConfig(64, 64, 128, num_warps=4, num_stages=6)
+_NARROW_N_TIERS = (SmallMConfig(16, _DECODE), SmallMConfig(128, _DECODE_WIDE_K), SmallMConfig(256, _DECODE))
 SMALL_M_CONFIGS: dict[str, SmallMConfig | tuple[SmallMConfig, ...] | None] = {
     "bfloat16": SmallMConfig(256, _DECODE),
     "float16": SmallMConfig(256, _DECODE),
@@ -128,8 +129,8 @@ SMALL_M_OVERRIDES: dict[tuple[str, int, int], SmallMConfig | tuple[SmallMConfig,
     # Wide N already gives every SM tiles; from M = 256 the large tiles' operand reuse wins there.
     ("bfloat16", 12288, 4096): SmallMConfig(128, _DECODE),  # gate/up
     ("bfloat16", 24576, 4096): SmallMConfig(128, _DECODE),  # gate and up fused
-    ("bfloat16", 4096, 4096): (SmallMConfig(16, _DECODE), SmallMConfig(256, _DECODE_WIDE_K)),  # q/o
-    ("bfloat16", 4096, 12288): (SmallMConfig(16, _DECODE), SmallMConfig(256, _DECODE_WIDE_K)),  # down
+    ("bfloat16", 4096, 4096): _NARROW_N_TIERS,  # q/o
+    ("bfloat16", 4096, 12288): _NARROW_N_TIERS,  # down
     ("bfloat16", 151936, 4096): SmallMConfig(128, MatmulConfig(64, 128, 128, num_warps=4, num_stages=4)),  # lm_head
 }
 
