@@ -150,3 +150,20 @@ def test_qwen3_8b_shape_on_gpu(dtype):
     assert torch.equal(y1[0, 0], y[1, 7]) and torch.equal(dx1[0, 0], dx[1, 7])
     again = _run(TritonRopeOp(), x, positions, dy)
     assert torch.equal(again[0], y) and torch.equal(again[1], dx)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_q_of_a_stacked_product_is_rotated_in_place_with_the_bits_of_a_copy(dtype, monkeypatch):
+    """q as a view of one [B, S, (Hq + 2 Hkv) D] q/k/v product (models without q/k norms rotate it directly): read
+    at its token stride with the bits of the contiguous copy; a planted token stride is caught."""
+    from rl_engine.kernels.ops.triton.position import rope as module
+
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, 3, (4 + 2 * 2) * 16, generator=g).to(dtype).to(DEVICE)
+    q = qkv[..., : 4 * 16].view(2, 3, 4, 16)
+    positions = torch.tensor([[0, 1, 2], [7, 8, 9]], device=DEVICE)
+    assert not q.is_contiguous() and module._token_rows(q)[1] == qkv.stride(1)
+    want = module.rope(q.contiguous(), positions)
+    assert torch.equal(module.rope(q, positions), want)
+    monkeypatch.setattr(module, "_token_rows", lambda x: (x, x.shape[-2] * x.shape[-1]))
+    assert not torch.equal(module.rope(q, positions), want)

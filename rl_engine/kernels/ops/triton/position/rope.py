@@ -51,7 +51,7 @@ from rl_engine.kernels.ops.triton.runtime import (
 @triton.jit
 def _rope_kernel(
     x_ptr, positions_ptr, inv_freq_ptr, out_ptr,
-    n_heads, half,
+    n_heads, half, stride_token,
     TRANSPOSE: tl.constexpr, LIBDEVICE_TRIG: tl.constexpr,
     BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
@@ -69,10 +69,12 @@ def _rope_kernel(
     if TRANSPOSE:
         sin = -sin
     heads = tl.arange(0, BLOCK_HEADS)
-    offs = token * n_heads * 2 * half + heads[:, None] * 2 * half + freq[None, :]
+    in_head = heads[:, None] * 2 * half + freq[None, :]
+    offs = token * n_heads * 2 * half + in_head  # out is contiguous; x's tokens lie stride_token apart
+    src = token * stride_token + in_head
     mask = (heads[:, None] < n_heads) & freq_mask[None, :]
-    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + offs + half, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + src + half, mask=mask, other=0.0).to(tl.float32)
     out1 = x1 * cos[None, :] - x2 * sin[None, :]
     out2 = x2 * cos[None, :] + x1 * sin[None, :]
     tl.store(out_ptr + offs, cast_rne(out1, out_ptr.dtype.element_ty), mask=mask)
@@ -110,16 +112,31 @@ def launch_config(n_heads: int, head_dim: int) -> tuple[int, int, int]:
     return block_heads, block_half, 2 if tile >= 512 else 1
 
 
+def _token_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(x or a copy, the token stride) with each token's heads contiguous: q or k of a stacked q/k/v product read in
+    place."""
+    n_heads, head_dim = x.shape[-2], x.shape[-1]
+    try:
+        v = x.view(-1, n_heads, head_dim)
+    except RuntimeError:
+        v = None
+    if v is not None and (v.numel() == 0 or (v.stride(2) == 1 and (n_heads == 1 or v.stride(1) == head_dim))):
+        return v, v.stride(0) if v.shape[0] > 1 else n_heads * head_dim
+    return x.contiguous(), n_heads * head_dim
+
+
 def rope_apply(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *, transpose: bool = False,
                num_warps: int | None = None) -> torch.Tensor:
-    """Rotate contiguous x [..., Hh, D] by positions [...] (the transpose rotation when `transpose`)."""
+    """Rotate x [..., Hh, D] (each token's heads contiguous; tokens at any stride) by positions [...] (the transpose
+    rotation when `transpose`); the result is contiguous."""
     n_heads, head_dim = x.shape[-2], x.shape[-1]
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x, stride_token = _token_rows(x)
     n_tokens = positions.numel()
     block_heads, block_half, warps = launch_config(n_heads, head_dim)
     if n_tokens:
         _rope_kernel[(n_tokens,)](
-            x, positions, inv_freq, out, n_heads, head_dim // 2,
+            x, positions, inv_freq, out, n_heads, head_dim // 2, stride_token,
             TRANSPOSE=transpose, LIBDEVICE_TRIG=not interpreting(),
             BLOCK_HEADS=block_heads, BLOCK_HALF=block_half,
             num_warps=num_warps or warps, enable_fp_fusion=False,
@@ -171,7 +188,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 1e6,
     expect_float("x", x, "[..., Hh, D]")
     if needs_autograd(x):
         return rope_autograd(x, positions, inv_freq, theta, False)
-    x, positions = x.contiguous(), positions.contiguous()  # no copy when already contiguous
+    positions = positions.contiguous()  # x is read in place (rope_apply)
     inv_freq = cached_inv_freq(x.shape[-1], theta, x.device) if inv_freq is None else inv_freq.contiguous()
     return rope_apply(x, positions, inv_freq)
 
