@@ -26,11 +26,13 @@ tempered logprobs, the copies in and out); for the eager engine forward, sample 
 logprobs; other = the rest of the step period, in which the GPU waits for the host. A decode step's period
 is the spacing of CUDA events recorded as each step is launched (no sync: the engine overlaps step t's
 bookkeeping with step t+1 on the GPU); overlapped_steps counts the steps launched that way. The engine computes
-fp32 logprobs of every token (two vocab-wide products per step, beside the lm_head's);
+fp32 logprobs of every token (under a Triton profile the raw ones come from the lm_head read that gives the
+sampler its fp32 logits; the tempered ones, at a temperature, read the lm_head once more);
 transformers' greedy `generate` returns none. cell_s: the whole cell's wall time, warm-up included.
-Launch overhead: the last few decode steps run under torch.profiler; GPU time per step = the sum of
-the kernel (and copy) durations it recorded; overhead = 1 - GPU time / wall time of an unprofiled
-step (median): the share of the step in which the GPU idles on the host. The top kernels are kept
+Launch overhead: the last few decode steps run under torch.profiler; GPU time per step = the union of
+the kernel (and copy) intervals it recorded (kernels overlap under programmatic dependent launch);
+overhead = 1 - GPU time / wall time of an unprofiled step (median): the share of the step in which the
+GPU idles on the host. The top kernels are kept
 (for transformers they name the SDPA backend that ran: flash, cuDNN or memory-efficient).
 Byte floor per cell: a decode step reads every weight but the embedding table (B rows of it) and the batch's
 cached keys and values (at the mean context of the decode steps); floor = those bytes / the device copy bandwidth
@@ -121,17 +123,31 @@ class _Probe:
 
         on_gpu = self.device.type == "cuda"
         per_name = defaultdict(float)
+        spans = []
         for e in self.prof.events():
             if on_gpu and e.device_type == DeviceType.CUDA:
                 per_name[e.name] += e.time_range.elapsed_us()
+                spans.append((e.time_range.start, e.time_range.end))
             elif not on_gpu and e.device_type == DeviceType.CPU:
                 per_name[e.name] += e.self_cpu_time_total
-        total_ms = sum(per_name.values()) / 1e3 / self.steps
+        total_ms = (busy_us(spans) if on_gpu else sum(per_name.values())) / 1e3 / self.steps
         top = sorted(per_name.items(), key=lambda kv: -kv[1])[:6]
         attention = sorted(n[:120] for n in per_name if any(k in n.lower() for k in ATTENTION_NAMES))
         return {"gpu_ms_per_step": total_ms if on_gpu and total_ms > 0 else None,
                 "top_kernels": [{"name": n[:120], "ms_per_step": us / 1e3 / self.steps} for n, us in top],
                 "attention_kernels": attention}
+
+
+def busy_us(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of kernel intervals (us): time in which some kernel ran. Kernels overlap under
+    programmatic dependent launch (a dependent starts, and waits, while the kernel before it runs), so their
+    durations' sum would count those stretches twice."""
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy
 
 
 def _sdpa_backend(kernels: list[str]) -> str:

@@ -86,26 +86,28 @@ def test_gpu_probe_summary_on_recorded_kernels(rollout):
     from torch.autograd import DeviceType
 
     class Span:
-        def __init__(self, us):
-            self.us = us
+        def __init__(self, start, us):
+            self.start, self.end = start, start + us
 
         def elapsed_us(self):
-            return self.us
+            return self.end - self.start
 
     class Event:
-        def __init__(self, name, device_type, us):
-            self.name, self.device_type, self.time_range, self.self_cpu_time_total = name, device_type, Span(us), us
+        def __init__(self, name, device_type, start, us):
+            self.name, self.device_type, self.time_range, self.self_cpu_time_total = (
+                name, device_type, Span(start, us), us)
 
     class Prof:
         def events(self):
-            return [Event("sm90_xmma_gemm_bf16", DeviceType.CUDA, 3000.0),
-                    Event("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", DeviceType.CUDA, 1000.0),
-                    Event("aten::mm", DeviceType.CPU, 9000.0)]  # host time: not GPU time
+            return [Event("sm90_xmma_gemm_bf16", DeviceType.CUDA, 0.0, 2500.0),
+                    Event("sm90_xmma_gemm_bf16", DeviceType.CUDA, 2000.0, 500.0),  # PDL: started inside the one before
+                    Event("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", DeviceType.CUDA, 3000.0, 1000.0),
+                    Event("aten::mm", DeviceType.CPU, 0.0, 9000.0)]  # host time: not GPU time
 
     probe = rollout._Probe(torch.device("cuda"), steps=2)
     probe.prof = Prof()
     got = probe.summary()
-    assert got["gpu_ms_per_step"] == 2.0
+    assert got["gpu_ms_per_step"] == 1.75  # busy 0-2.5 ms and 3-4 ms over 2 steps; the durations' sum would say 2.0
     assert [k["name"] for k in got["top_kernels"]] == ["sm90_xmma_gemm_bf16",
                                                        "fmha_cutlassF_bf16_aligned_64x128_rf_sm80"]
     assert rollout._sdpa_backend(got["attention_kernels"]) == "efficient"
