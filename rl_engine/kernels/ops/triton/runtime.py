@@ -44,6 +44,15 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def pdl_launch() -> dict:
+    """Launch options of a kernel that takes a `PDL` constexpr: on the GPU it is launched as a programmatic dependent
+    (it may start while the kernel before it runs: its programs let their own dependents launch, then wait for that
+    kernel to end and its writes to land before they touch memory), which hides launch latency between the many
+    small kernels of a decode step. Scheduling only: no arithmetic changes. Off under the interpreter."""
+    on = not interpreting()
+    return {"PDL": on, "launch_pdl": on}
+
+
 def check_devices(op: str, **inputs) -> None:
     """One-line ValueError unless every tensor input is where a Triton kernel can read it: on one CUDA device,
     or on the CPU under the interpreter (TRITON_INTERPRET=1). A meta tensor has no data to compute on."""

@@ -187,6 +187,32 @@ def compile_matmul(variant: str):
     return _compile(mm._matmul_tma_kernel, constants, types, cfg.num_warps, stages)
 
 
+# The small kernels of a decode step, as the step launches them: programmatic dependents (runtime.pdl_launch), bf16,
+# Qwen3-8B's widths (hidden 4096, intermediate 12288, 32 heads of 128, 8 KV heads).
+DECODE_KERNELS = ("rms_norm", "swiglu", "rope", "paged_write")
+
+
+def compile_decode(kind: str):
+    from rl_engine.kernels.ops.triton.activation.swiglu import BLOCK, NUM_WARPS, _swiglu_forward_kernel
+    from rl_engine.kernels.ops.triton.attention.paged_write import _write_kv_kernel
+    from rl_engine.kernels.ops.triton.norm.rms_norm import _rms_norm_forward_kernel, launch_config
+    from rl_engine.kernels.ops.triton.position.rope import _rope_kernel
+
+    def types(ints: dict[str, str], default: str = "*bf16"):
+        return lambda n: ints.get(n, default if n.endswith("_ptr") else "i32")
+
+    if kind == "rms_norm":
+        block, warps = launch_config(4096)
+        return _compile(_rms_norm_forward_kernel, dict(BLOCK_H=block, PDL=True),
+                        types({"rstd_ptr": "*fp32", "eps": "fp32"}), warps, 1)
+    if kind == "swiglu":
+        return _compile(_swiglu_forward_kernel, dict(BLOCK=BLOCK, PDL=True), types({}), NUM_WARPS, 1)
+    if kind == "rope":
+        return _compile(_rope_kernel, dict(TRANSPOSE=False, LIBDEVICE_TRIG=True, BLOCK_HEADS=32, BLOCK_HALF=64,
+                                           PDL=True), types({"positions_ptr": "*i64", "inv_freq_ptr": "*fp32"}), 2, 1)
+    return _compile(_write_kv_kernel, dict(ROW=1024, BLOCK=1024, PDL=True), types({"slots_ptr": "*i64"}), 4, 1)
+
+
 LINEAR_LOGP_KERNELS = ("partials", "partials_logits", "combine", "dlogits", "dh", "dw", "policy_stats",
                        "policy_dlogits", "policy_stats_e", "policy_dlogits_e", "policy_dx_split", "policy_dx_sum")
 # Elementwise kernels whose fp32 build differs from the bf16 one only in pointer types: compiled in bf16 alone.
@@ -319,7 +345,7 @@ def _summary(kernel, registers: bool = False) -> dict:
     # 16-byte async copies (a grouped GEMM whose operand lost its contiguity was 5x slower on the H200).
     summary = {"shared": kernel.metadata.shared, "cubin": len(kernel.asm.get("cubin", b"")),
                "wgmma": ptx.count("wgmma.mma_async"), "scalar_loads": len(re.findall(r"ld\.global\.[bu]16", ptx)),
-               "fma": len(re.findall(r"\bfma\.rn\.f32", ptx)),
+               "fma": len(re.findall(r"\bfma\.rn\.f32", ptx)), "griddep": ptx.count("griddepcontrol."),
                "ftz_fma": len(re.findall(r"\bfma\.r[nmzp]\.ftz\.f32", ptx))}
     if registers:
         summary.update(ptxas_registers(ptx))
@@ -421,6 +447,8 @@ def main(argv=None) -> int:
             record(f"moe_{kind}/bf16", functools.partial(compile_moe, kind))
         for variant in MATMUL_VARIANTS:
             record(f"matmul_{variant}/bf16", functools.partial(compile_matmul, variant))
+        for kind in DECODE_KERNELS:
+            record(f"decode_{kind}/bf16", functools.partial(compile_decode, kind))
     for dtype, head_dim in cases:
         paged = PAGED_KERNELS if dtype == torch.bfloat16 and head_dim in PAGED_HEAD_DIMS else ()
         for kind in ATTENTION_KERNELS + paged:

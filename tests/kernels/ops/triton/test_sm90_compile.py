@@ -15,6 +15,7 @@ import pytest
 
 from rl_engine.kernels.ops.triton.sm90 import (
     ATTENTION_KERNELS,
+    DECODE_KERNELS,
     H200_SHARED_BYTES,
     LINEAR_LOGP_BF16_ONLY,
     LINEAR_LOGP_KERNELS,
@@ -182,6 +183,18 @@ def test_matmul_and_its_continuations_compile_for_the_h200(report, variant):
     result = report[f"matmul_{variant}/bf16"]
     assert "error" not in result, result["error"]
     assert result["cubin"] > 0 and result["shared"] <= H200_SHARED_BYTES and result["wgmma"] > 0, result
+
+
+@pytest.mark.parametrize("kind", DECODE_KERNELS)
+def test_the_decode_step_s_small_kernels_compile_as_programmatic_dependents(report, kind):
+    result = report[f"decode_{kind}/bf16"]
+    assert "error" not in result, result["error"]
+    assert result["cubin"] > 0 and result["griddep"] >= 2, result  # launch_dependents, then wait
+
+
+@pytest.mark.parametrize("variant", ["small_m", "small_m_narrow", "swap_ab"])
+def test_a_decode_matmul_prefetches_then_waits(report, variant):
+    assert report[f"matmul_{variant}/bf16"]["griddep"] >= 1
 
 
 def test_a_tile_that_overflows_shared_memory_is_caught():

@@ -11,15 +11,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from rl_engine.kernels.ops.pytorch.activation.swiglu import NativeSwigluOp
 from rl_engine.kernels.ops.pytorch.base import expect_float
 from rl_engine.kernels.ops.triton.runtime import (
     cast_rne,
     check_devices,
-    interpreting,
     needs_autograd,
+    pdl_launch,
     register_autograd,
 )
 
@@ -30,9 +30,10 @@ NUM_WARPS = 8
 
 @triton.jit
 def _swiglu_forward_kernel(gate_ptr, up_ptr, y_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr,
-                           PDL_TRIGGER: tl.constexpr):
-    if PDL_TRIGGER:
-        gdc_launch_dependents()  # a decode matmul launched after this one may start its weight prefetch now
+                           PDL: tl.constexpr):
+    if PDL:  # launched as a programmatic dependent (runtime.PDL): see there
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -70,7 +71,7 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     rows, cols = g2.shape
     if gate.numel():
         _swiglu_forward_kernel[(rows, triton.cdiv(cols, BLOCK))](
-            g2, u2, y, cols, g2.stride(0), u2.stride(0), BLOCK=BLOCK, PDL_TRIGGER=not interpreting(),
+            g2, u2, y, cols, g2.stride(0), u2.stride(0), BLOCK=BLOCK, **pdl_launch(),
             num_warps=NUM_WARPS)
     return y
 

@@ -7,11 +7,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from rl_engine.kernels.ops.triton.runtime import pdl_launch
 
 
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, k_pool_ptr, v_pool_ptr, slots_ptr, k_stride, v_stride,
-                     ROW: tl.constexpr, BLOCK: tl.constexpr):
+                     ROW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched as a programmatic dependent (runtime.pdl_launch)
+        gdc_launch_dependents()
+        gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + token).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -35,4 +41,4 @@ def write_kv_pages(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tens
     flat = slots.reshape(-1)
     if flat.numel():
         _write_kv_kernel[(flat.numel(),)](k2, v2, k_pool, v_pool, flat, k2.stride(0), v2.stride(0),
-                                          ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=4)
+                                          ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=4, **pdl_launch())

@@ -27,15 +27,15 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from rl_engine.kernels.ops.pytorch.base import expect_float
 from rl_engine.kernels.ops.pytorch.norm.rms_norm import NativeRmsNormOp
 from rl_engine.kernels.ops.triton.runtime import (
     cast_rne,
     check_devices,
-    interpreting,
     needs_autograd,
+    pdl_launch,
     register_autograd,
 )
 
@@ -47,12 +47,13 @@ ROWS_PER_PROGRAM = 32
 def _rms_norm_forward_kernel(
     x_ptr, weight_ptr, y_ptr, rstd_ptr,
     H, eps, group_rows, stride_group, stride_row,
-    BLOCK_H: tl.constexpr, PDL_TRIGGER: tl.constexpr,
+    BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
     # x's row r lies at (r // group_rows) · stride_group + (r % group_rows) · stride_row: contiguous rows, or a
     # stacked product's heads read in place (q or k of q/k/v: tokens × heads). y is contiguous.
-    if PDL_TRIGGER:
-        gdc_launch_dependents()  # a decode matmul launched after this one may start its weight prefetch now
+    if PDL:  # launched as a programmatic dependent (runtime.PDL): see there
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -135,7 +136,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, num_warp
     if n:
         src, group_rows, stride_group, stride_row = _row_layout(x)
         _rms_norm_forward_kernel[(n,)](src, weight, y, rstd, hidden, eps, group_rows, stride_group, stride_row,
-                                       BLOCK_H=block, PDL_TRIGGER=not interpreting(), num_warps=num_warps or warps)
+                                       BLOCK_H=block, num_warps=num_warps or warps, **pdl_launch())
     return y, rstd
 
 

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from rl_engine.kernels.ops.pytorch.base import expect_float
 from rl_engine.kernels.ops.pytorch.position.rope import NativeRopeOp
@@ -44,6 +45,7 @@ from rl_engine.kernels.ops.triton.runtime import (
     check_devices,
     interpreting,
     needs_autograd,
+    pdl_launch,
     register_autograd,
 )
 
@@ -53,8 +55,11 @@ def _rope_kernel(
     x_ptr, positions_ptr, inv_freq_ptr, out_ptr,
     n_heads, half, stride_token,
     TRANSPOSE: tl.constexpr, LIBDEVICE_TRIG: tl.constexpr,
-    BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # launched as a programmatic dependent (runtime.pdl_launch)
+        gdc_launch_dependents()
+        gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     freq = tl.arange(0, BLOCK_HALF)
     freq_mask = freq < half
@@ -139,7 +144,7 @@ def rope_apply(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
             x, positions, inv_freq, out, n_heads, head_dim // 2, stride_token,
             TRANSPOSE=transpose, LIBDEVICE_TRIG=not interpreting(),
             BLOCK_HEADS=block_heads, BLOCK_HALF=block_half,
-            num_warps=num_warps or warps, enable_fp_fusion=False,
+            num_warps=num_warps or warps, enable_fp_fusion=False, **pdl_launch(),
         )
     return out
 
