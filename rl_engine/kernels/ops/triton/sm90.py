@@ -57,7 +57,8 @@ def _compile(fn, constants: dict, types, num_warps: int, num_stages: int):
     signature = {n: "constexpr" if n in constants else types(n) for n in names}
     source = ASTSource(fn=fn, signature=signature,
                        constexprs={(names.index(k),): v for k, v in constants.items()},
-                       attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names if n in _ALIGNED})
+                       attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names
+                              if n in _ALIGNED and n not in constants})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
