@@ -52,7 +52,11 @@ run_stage() {
       [[ "$args" == *" "* ]] || args=${args//,/ }
       local log=$name n=2
       while [ -e "$R/$log.log" ]; do log=$name-$n; n=$((n + 1)); done  # a benchmark run twice keeps both logs
-      stage "$log" 570 python3 "benchmarks/$name.py" --out "$R/bench" $args ;;
+      stage "$log" 570 python3 "benchmarks/$name.py" --out "$R/bench" $args
+      if [ "$name" = matmul_small_m ] && [[ "$args" == *--apply* ]]; then  # what --apply wrote comes back too
+        cp rl_engine/kernels/ops/triton/linear/matmul.py "$R/bench/matmul_applied.py"
+        tar czf "$OUT/results.tgz" -C "$R" .
+      fi ;;
     mhc)
       stage mhc-cuda-check 300 python3 scripts/mhc_cuda_check.py --out "$R/evidence" ;;
     tp)
