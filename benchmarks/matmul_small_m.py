@@ -36,16 +36,13 @@ from common import arg_parser, bench_ms, copy_ceiling, measure, parse_gpu_args, 
 from matmul import gpu_ms, weight_copies  # noqa: E402  (benchmarks/matmul.py: graph replay over weight copies)
 
 from rl_engine.kernels.ops.triton.linear.matmul import (  # noqa: E402
-    GPU_CONFIG_OVERRIDES,
-    GPU_CONFIGS,
-    SMALL_M_CONFIGS,
-    SMALL_M_OVERRIDES,
     MatmulConfig,
     SmallMConfig,
     batch_invariant_mm,
     config_at,
     matmul_config,
     small_m_config,
+    table_tiers,
 )
 
 # Qwen3-8B (hidden 4096, 32 query / 8 KV heads of 128, intermediate 12288, vocab 151936): (N, K).
@@ -116,11 +113,11 @@ def label(cfg: MatmulConfig) -> str:
 
 
 def source(cfg: MatmulConfig) -> str:
-    """The config as matmul.py's table writes it."""
-    tma = "" if cfg.tma else ", tma=False"
-    swap = ", swap_ab=True" if cfg.swap_ab else ""
-    return (f"MatmulConfig({cfg.block_m}, {cfg.block_n}, {cfg.block_k}, group_m={cfg.group_m}, "
-            f"num_warps={cfg.num_warps}, num_stages={cfg.num_stages}{tma}, persistent={cfg.persistent}{swap})")
+    """cfg as matmul.py's table writes it: the three block sizes, then the fields that are not the default."""
+    defaults = MatmulConfig(0, 0, 0)
+    extra = [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)[3:]
+             if getattr(cfg, f.name) != getattr(defaults, f.name)]
+    return f"MatmulConfig({', '.join([str(cfg.block_m), str(cfg.block_n), str(cfg.block_k), *extra])})"
 
 
 def weight_gbps(n: int, k: int, ms: float) -> float:
@@ -194,7 +191,7 @@ def _score(row: dict) -> float | None:
 def recommend(rows: list[dict]) -> dict:
     """The candidate with the best geometric-mean time over the swept shapes and M, as a table line;
     per-shape override lines where a shape's best beats it by SWEEP_MARGIN_PCT."""
-    fields = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "tma", "persistent", "swap_ab")
+    fields = [f.name for f in dataclasses.fields(MatmulConfig)]
     scores = {(r["shape"], r["config"]): _score(r) for r in rows}
     shapes = sorted({r["shape"] for r in rows}, key=list(SHAPES).index)
     configs = list(dict.fromkeys(r["config"] for r in rows))
@@ -219,50 +216,45 @@ def recommend(rows: list[dict]) -> dict:
     return out
 
 
-NARROW_MAX_M = 16  # --apply: the M = 1 winner serves M <= 16, the M = 128 winner the rest of the small-M range
-
-
-def _source(cfg: MatmulConfig) -> str:
-    """cfg as matmul.py's source writes it: the three block sizes, then the fields that are not the default."""
-    defaults = MatmulConfig(0, 0, 0)
-    extra = [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)[3:]
-             if getattr(cfg, f.name) != getattr(defaults, f.name)]
-    return f"MatmulConfig({', '.join([str(cfg.block_m), str(cfg.block_n), str(cfg.block_k), *extra])})"
+NARROW_MAX_M = 16  # --apply: M = 1's winner gets a tier of its own up to this M
 
 
 def apply_overrides(sweep: list[dict], timing: list[dict], path: str = MATMUL_SOURCE) -> list[str]:
-    """--apply: per swept shape and tier (M = 1 for M <= NARROW_MAX_M, M = 128 for the rest of the small-M range),
-    the fastest persistent candidate with equal bits where it beats the config dispatched now at that M by
-    SWEEP_MARGIN_PCT, else the config dispatched now; written into matmul.py's SMALL_M_OVERRIDES (replacing the
-    shape's line, else added) when either tier changed. Returns the lines written."""
+    """--apply: per swept shape, the table's tiers (matmul.table_tiers, the first split at NARROW_MAX_M so that M = 1
+    has its own) with each swept M's tier replaced by the fastest persistent candidate with equal bits, where it
+    beats the config dispatched now at that M by SWEEP_MARGIN_PCT; written into matmul.py's SMALL_M_OVERRIDES
+    (replacing the shape's line, else added), adjacent tiers of one config merged. Returns the lines written."""
     with open(path) as f:
         text = f.read()
     head, rest = text.split("SMALL_M_OVERRIDES: ", 1)
     block, tail = rest.split("\n}\n", 1)
     written = []
     name = str(DTYPE).removeprefix("torch.")
-    fields = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "tma", "persistent", "swap_ab")
+    fields = [f.name for f in dataclasses.fields(MatmulConfig)]
     for shape in dict.fromkeys(r["shape"] for r in sweep):
         n, k = SHAPES[shape]
-        rule = _gpu_rule(name, n, k)
-        max_m = rule.max_m if rule else max(BATCH)
-        tiers, gains = [], []
+        tiers = list(table_tiers(DTYPE, n, k))
+        if not tiers:
+            continue  # no small-M config at this shape: nothing to tune
+        if tiers[0].max_m > NARROW_MAX_M:
+            tiers.insert(0, SmallMConfig(NARROW_MAX_M, tiers[0].config))
+        gains = []
         for m in SWEEP_BATCH:
             now = next((t["ours_ms"] for t in timing if t["shape"] == shape and t["M"] == m and t.get("ours_ms")), None)
             ranked = sorted((r for r in sweep if r["shape"] == shape and r.get("persistent") and r.get("tma")
                              and r.get("group_m") == 8 and r.get("bits_differ") == 0 and r.get(f"ms_m{m}")),
                             key=lambda r: r[f"ms_m{m}"])
-            gain = 100 * (now / ranked[0][f"ms_m{m}"] - 1) if now and ranked else 0.0
+            i = next((i for i, t in enumerate(tiers) if m <= t.max_m), None)
+            gain = 100 * (now / ranked[0][f"ms_m{m}"] - 1) if now and ranked and i is not None else 0.0
             if gain >= SWEEP_MARGIN_PCT:
-                tiers.append(MatmulConfig(**{f: ranked[0][f] for f in fields if f in ranked[0]}))
+                winner = MatmulConfig(**{f: ranked[0][f] for f in fields if f in ranked[0]})
+                tiers[i] = SmallMConfig(tiers[i].max_m, winner)
                 gains.append(f"M = {m}: {gain:.0f}% faster")
-            else:
-                tiers.append(_gpu_config_at(name, n, k, m))
         if not gains:
             continue
-        narrow, wide = tiers
-        value = (f"SmallMConfig({max_m}, {_source(wide)})" if narrow == wide else
-                 f"(SmallMConfig({NARROW_MAX_M}, {_source(narrow)}), SmallMConfig({max_m}, {_source(wide)}))")
+        merged = [t for i, t in enumerate(tiers) if i + 1 == len(tiers) or tiers[i + 1].config != t.config]
+        parts = [f"SmallMConfig({t.max_m}, {source(t.config)})" for t in merged]
+        value = parts[0] if len(parts) == 1 else f"({', '.join(parts)})"
         key = f'("{name}", {n}, {k})'
         line = f"    {key}: {value},  # {shape}"
         kept = [x for x in block.split("\n") if not x.strip().startswith(key)]
@@ -272,19 +264,6 @@ def apply_overrides(sweep: list[dict], timing: list[dict], path: str = MATMUL_SO
         with open(path, "w") as f:
             f.write(f"{head}SMALL_M_OVERRIDES: {block}\n}}\n{tail}")
     return written
-
-
-def _gpu_rule(name: str, n: int, k: int):
-    """The GPU table's widest tier (also off a GPU, where small_m_config answers the interpreter's)."""
-    rule = SMALL_M_OVERRIDES.get((name, n, k), SMALL_M_CONFIGS[name])
-    return rule if rule is None or isinstance(rule, SmallMConfig) else max(rule, key=lambda t: t.max_m)
-
-
-def _gpu_config_at(name: str, n: int, k: int, m: int) -> MatmulConfig:
-    """The GPU table's config at M (also off a GPU)."""
-    rule = SMALL_M_OVERRIDES.get((name, n, k), SMALL_M_CONFIGS[name])
-    tiers = [] if rule is None else [rule] if isinstance(rule, SmallMConfig) else sorted(rule, key=lambda t: t.max_m)
-    return next((t.config for t in tiers if m <= t.max_m), GPU_CONFIG_OVERRIDES.get((name, n, k), GPU_CONFIGS[name]))
 
 
 def time_shape(name, a, b, weights, n, k, copy_gbps) -> list[dict]:

@@ -44,7 +44,7 @@ def test_apply_writes_a_tier_per_m_where_the_winners_differ(load_benchmark, tmp_
     shutil.copy(mod.MATMUL_SOURCE, path)
     timing = [{"shape": "gate_up", "M": m, "ours_ms": 0.05} for m in mod.SWEEP_BATCH]
     (line,) = mod.apply_overrides([_row("gate_up", 0.03, block_k=128, ms_m128=0.09)], timing, str(path))
-    now = mod._source(mod._gpu_config_at("bfloat16", 24576, 4096, 128))
+    now = mod.source(mod.table_tiers(mod.DTYPE, 24576, 4096)[-1].config)
     assert line.startswith(f'("bfloat16", 24576, 4096): (SmallMConfig({mod.NARROW_MAX_M}, MatmulConfig(64, 64, 128, '
                            f'num_warps=4)), SmallMConfig(128, {now})),  # gate_up'), line
     ast.parse(path.read_text())
@@ -58,4 +58,7 @@ def test_apply_writes_a_swapped_winner_with_its_flag(load_benchmark, tmp_path):
     row = {**_row("q/o", 0.02, block_k=64, ms_m128=0.5), "block_m": 16, "swap_ab": True}
     (line,) = mod.apply_overrides([row], timing, str(path))
     assert f"SmallMConfig({mod.NARROW_MAX_M}, MatmulConfig(16, 64, 64, num_warps=4, swap_ab=True))" in line, line
+    # q/o's other tiers (M 17-128, 129-256) are kept: a winner replaces only the tier of the M it won at
+    rest = [f"SmallMConfig({t.max_m}, {mod.source(t.config)})" for t in mod.table_tiers(mod.DTYPE, 4096, 4096)[1:]]
+    assert len(rest) == 2 and all(r in line for r in rest), line
     assert [c.swap_ab for c in mod.candidates(False, [64, 128], swap_ab=True)] == [True] * 16

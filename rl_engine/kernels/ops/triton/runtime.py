@@ -53,6 +53,13 @@ def pdl_launch() -> dict:
     return {"PDL": on, "launch_pdl": on}
 
 
+def unit_column_rows(x: torch.Tensor, cols: int) -> torch.Tensor:
+    """x as [rows, cols] with unit column stride: a view where the layout allows (a part of a stacked product, read
+    at its row stride), else a contiguous copy."""
+    x2 = x.reshape(-1, cols)
+    return x2 if cols <= 1 or x2.stride(1) == 1 else x2.contiguous()
+
+
 def check_devices(op: str, **inputs) -> None:
     """One-line ValueError unless every tensor input is where a Triton kernel can read it: on one CUDA device,
     or on the CPU under the interpreter (TRITON_INTERPRET=1). A meta tensor has no data to compute on."""

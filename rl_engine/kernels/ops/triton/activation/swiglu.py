@@ -21,6 +21,7 @@ from rl_engine.kernels.ops.triton.runtime import (
     needs_autograd,
     pdl_launch,
     register_autograd,
+    unit_column_rows,
 )
 
 # Elements per program and warps: fixed, so a tensor's bits never depend on its size.
@@ -31,7 +32,7 @@ NUM_WARPS = 8
 @triton.jit
 def _swiglu_forward_kernel(gate_ptr, up_ptr, y_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr,
                            PDL: tl.constexpr):
-    if PDL:  # launched as a programmatic dependent (runtime.PDL): see there
+    if PDL:  # launched as a programmatic dependent (runtime.pdl_launch)
         gdc_launch_dependents()
         gdc_wait()
     row = tl.program_id(0).to(tl.int64)
@@ -57,18 +58,13 @@ def _swiglu_backward_kernel(dy_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n, BLO
     tl.store(dup_ptr + offs, cast_rne(dup, dup_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x as [rows, last dim] with unit column stride: a view where the layout allows (a stacked product's half)."""
-    x2 = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
-    return x2 if x2.shape[1] <= 1 or x2.stride(1) == 1 else x2.contiguous()
-
-
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up for two tensors of one shape (rows of the last dim may be strided), contiguous, in gate's
     dtype."""
-    g2, u2 = _rows(gate), _rows(up)
+    cols = gate.shape[-1] if gate.dim() else 1
+    g2, u2 = unit_column_rows(gate, cols), unit_column_rows(up, cols)
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    rows, cols = g2.shape
+    rows = g2.shape[0]
     if gate.numel():
         _swiglu_forward_kernel[(rows, triton.cdiv(cols, BLOCK))](
             g2, u2, y, cols, g2.stride(0), u2.stride(0), BLOCK=BLOCK, **pdl_launch(),

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from rl_engine.kernels.ops.triton.runtime import pdl_launch
+from rl_engine.kernels.ops.triton.runtime import pdl_launch, unit_column_rows
 
 
 @triton.jit
@@ -26,18 +26,12 @@ def _write_kv_kernel(k_ptr, v_ptr, k_pool_ptr, v_pool_ptr, slots_ptr, k_stride, 
     tl.store(v_pool_ptr + slot * ROW + cols, tl.load(v_ptr + token * v_stride + cols, mask=mask), mask=mask)
 
 
-def _rows(x: torch.Tensor, row: int) -> torch.Tensor:
-    """x [..., Hkv, D] as [tokens, Hkv·D] with unit column stride (a view where the layout allows)."""
-    x2 = x.reshape(-1, row)
-    return x2 if x2.stride(1) == 1 else x2.contiguous()
-
-
 def write_kv_pages(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor) -> None:
     """k_pool/v_pool [num_pages, page, Hkv, D] (contiguous) at pool rows `slots` [...] (int64) ← k/v [..., Hkv, D],
     in place. Same dtype throughout (the caller falls back to index assignment otherwise)."""
     row = k_pool.shape[-2] * k_pool.shape[-1]
-    k2, v2 = _rows(k, row), _rows(v, row)
+    k2, v2 = unit_column_rows(k, row), unit_column_rows(v, row)
     flat = slots.reshape(-1)
     if flat.numel():
         _write_kv_kernel[(flat.numel(),)](k2, v2, k_pool, v_pool, flat, k2.stride(0), v2.stride(0),

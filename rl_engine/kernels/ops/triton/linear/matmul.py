@@ -145,7 +145,9 @@ ONE_TILE_PER_PROGRAM = 1 << 30  # the stride between a non-persistent program's 
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CONTINUATION_STAGES = 1  # TMA launches that start from or hand on an fp32 partial (see _launch_tma)
-PREFETCH_ROW_BYTES = 1024  # a decode launch's L2 prefetch per weight row (_prefetch_rows_l2's asm says it too)
+PREFETCH_ROW_BYTES = 1024  # a decode launch's L2 prefetch per weight row (a multiple of 16)
+_PREFETCH_ASM = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; "
+                             f"@p cp.async.bulk.prefetch.L2.global [$1], {PREFETCH_ROW_BYTES}; mov.u32 $0, 0; }}")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -160,15 +162,20 @@ def matmul_config(dtype: torch.dtype, n: int, k: int) -> MatmulConfig:
     return GPU_CONFIG_OVERRIDES.get((name, n, k), GPU_CONFIGS[name])
 
 
-def small_m_tiers(dtype: torch.dtype, n: int, k: int) -> tuple[SmallMConfig, ...]:
-    """The small-M tiers at (dtype, N, K), ascending max_m; none: every M runs `matmul_config`'s."""
-    if interpreting():
-        rule = INTERPRETER_SMALL_M
-    else:
-        name = _dtype_name(dtype)
-        rule = SMALL_M_OVERRIDES.get((name, n, k), SMALL_M_CONFIGS[name])
+def _as_tiers(rule: SmallMConfig | tuple[SmallMConfig, ...] | None) -> tuple[SmallMConfig, ...]:
     tiers = () if rule is None else (rule,) if isinstance(rule, SmallMConfig) else tuple(rule)
     return tuple(sorted(tiers, key=lambda t: t.max_m))
+
+
+def table_tiers(dtype: torch.dtype, n: int, k: int) -> tuple[SmallMConfig, ...]:
+    """The GPU table's small-M tiers at (dtype, N, K), ascending max_m, also off a GPU (what --apply rewrites)."""
+    name = _dtype_name(dtype)
+    return _as_tiers(SMALL_M_OVERRIDES.get((name, n, k), SMALL_M_CONFIGS[name]))
+
+
+def small_m_tiers(dtype: torch.dtype, n: int, k: int) -> tuple[SmallMConfig, ...]:
+    """The small-M tiers at (dtype, N, K), ascending max_m; none: every M runs `matmul_config`'s."""
+    return _as_tiers(INTERPRETER_SMALL_M) if interpreting() else table_tiers(dtype, n, k)
 
 
 def small_m_config(dtype: torch.dtype, n: int, k: int) -> SmallMConfig | None:
@@ -306,9 +313,8 @@ def _matmul_pointer_kernel(
 @triton.jit
 def _prefetch_rows_l2(ptrs, mask):
     """cp.async.bulk.prefetch.L2 of PREFETCH_ROW_BYTES from each pointer (16-byte aligned) where mask holds."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 1024; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False,
+                              pack=1)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -317,7 +323,7 @@ def _matmul_tma_kernel(
     A_TRANS: tl.constexpr, B_TRANS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    HAS_INIT: tl.constexpr, OUT_FP32: tl.constexpr, PDL: tl.constexpr, SWAP_AB: tl.constexpr = False,
+    HAS_INIT: tl.constexpr, OUT_FP32: tl.constexpr, PDL: tl.constexpr, SWAP_AB: tl.constexpr,
 ):  # fmt: skip
     # HAS_INIT: see _matmul_pointer_kernel. OUT_FP32: the unrounded accumulator goes to out32_ptr
     # (fp32 [M, N], contiguous) through plain stores: an fp32 TMA store tile would not fit beside the

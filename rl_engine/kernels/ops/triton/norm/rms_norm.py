@@ -51,7 +51,7 @@ def _rms_norm_forward_kernel(
 ):
     # x's row r lies at (r // group_rows) · stride_group + (r % group_rows) · stride_row: contiguous rows, or a
     # stacked product's heads read in place (q or k of q/k/v: tokens × heads). y is contiguous.
-    if PDL:  # launched as a programmatic dependent (runtime.PDL): see there
+    if PDL:  # launched as a programmatic dependent (runtime.pdl_launch)
         gdc_launch_dependents()
         gdc_wait()
     row = tl.program_id(0).to(tl.int64)
