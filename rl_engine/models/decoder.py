@@ -9,8 +9,9 @@ experts: one [E, ...] stack per projection (`Family.weight_name`); node names ar
 same for every family.
 
 Every node calls its op through a `ProfileOps` (rl_engine.models.profiles), which picks the backend
-and records what ran. Residual adds, q/k/v bias adds and reshapes are plain tensor ops in the
-activation dtype: they are elementwise, hence batch invariant and deterministic under every profile.
+and records what ran. Residual adds, q/k/v bias adds and reshapes are elementwise in the activation dtype, hence
+batch invariant and deterministic under every profile; the o/down projections take the residual stream as the
+matmul op's `residual` (the Triton kernel adds it in its epilogue, with the bits of the separate add).
 A bias is added to the rounded matmul output (two roundings in bf16, where transformers' fused
 `F.linear` on a GPU rounds once): at most one bf16 ulp of q/k/v, inside bf16 error; in fp32 the
 reference adds it exactly as transformers does, up to the order of one addition.
@@ -140,6 +141,10 @@ class DecoderModel:
     def _linear(self, node, x, role, layer):
         return self._bias(self.ops("matmul", node, a=x, b=self._weight(role, layer).t()), role, layer)
 
+    def _residual_linear(self, node, h, x, role, layer):
+        """h + x's projection by `role` (no bias), the add in the matmul op."""
+        return self.ops("matmul", node, a=x, b=self._weight(role, layer).t(), residual=h)
+
     def _bias(self, y, role, layer):
         if self.family.qkv_bias and role in ("q_proj", "k_proj", "v_proj"):
             y = y + self._weight(role[0] + "_bias", layer)
@@ -201,14 +206,14 @@ class DecoderModel:
         q = self._rope(f"{p}.self_attn.q_rope", q, positions)
         k = self._rope(f"{p}.self_attn.k_rope", k, positions)
         a = attend(i, f"{p}.self_attn.attention", q, k, v).reshape(b, s, c.num_heads * c.head_dim)
-        h = h + self._linear(f"{p}.self_attn.o_proj", a, "o_proj", i)
+        h = self._residual_linear(f"{p}.self_attn.o_proj", h, a, "o_proj", i)
         x = self._norm(f"{p}.post_attention_layernorm", h, "post_norm", i)
         if c.sparse_layer(i):
             experts = local_experts(self.ops, f"{p}.mlp", *(self._weight(role, i) for role in EXPERT_ROLES))
             return h + moe_block(self.ops, f"{p}.mlp", x, self._weight("router", i), c.moe, experts)
         gate, up = self._projections(f"{p}.mlp", x, ("gate_proj", "up_proj"), i)
         m = self.ops("swiglu", f"{p}.mlp.swiglu", gate=gate, up=up)
-        return h + self._linear(f"{p}.mlp.down_proj", m, "down_proj", i)
+        return self._residual_linear(f"{p}.mlp.down_proj", h, m, "down_proj", i)
 
     def _decoder(self, h, positions, attend):
         for i in range(self.config.num_layers):

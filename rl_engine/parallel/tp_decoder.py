@@ -108,6 +108,9 @@ class TensorParallelDecoder(DecoderModel):
             y = y + self._weight(role[0] + "_bias", layer)
         return y
 
+    def _residual_linear(self, node, h, x, role, layer):
+        return h + self._linear(node, x, role, layer)  # the add after the row-parallel reduction
+
     def _head_norm(self, node, x, role, layer):
         # q/k RMSNorm's weight is shared by all heads: its gradient is taken over all of them.
         def norm(full, weight):

@@ -145,7 +145,8 @@ def compile_grouped_matmul(kind: str, dtype: torch.dtype):
     return _compile(fn, constants, types, cfg.num_warps, cfg.num_stages)
 
 
-MATMUL_VARIANTS = ("plain", "init", "out_fp32", "init_out_fp32", "small_m", "small_m_narrow", "swap_ab")
+MATMUL_VARIANTS = ("plain", "init", "out_fp32", "init_out_fp32", "small_m", "small_m_narrow", "small_m_residual",
+                   "swap_ab")
 # A swapped decode tile (MatmulConfig.swap_ab): 16 activation rows on the tensor core's N side, 64 weight rows.
 SWAP_AB_PROBE = dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=6, swap_ab=True)
 
@@ -154,8 +155,9 @@ def compile_matmul(variant: str):
     """The bf16 TMA matmul kernel at its GPU tiles, activations times a weight stored [N, K] (B_TRANS):
     as one product ("plain"), or as a K-slice continuing another launch's fp32 partial ("init"),
     handing its own on ("out_fp32"), or both (a tensor-parallel rank in the middle of the chain); or
-    the small-M (decode) tiers at the same shape ("small_m": the widest, "small_m_narrow": the narrowest), launched
-    as decode launches are (PDL: the weight's L2 prefetch, then the wait for the kernel before)."""
+    the small-M (decode) tiers at the same shape ("small_m": the widest, "small_m_narrow": the narrowest,
+    "small_m_residual": the widest adding the residual stream in its epilogue), launched as decode launches are (PDL:
+    the weight's L2 prefetch, the trigger of the kernel after, then the wait for the kernel before)."""
     from rl_engine.kernels.ops.triton.linear import matmul as mm
 
     cfg = mm.matmul_config(torch.bfloat16, 4096, 4096)
@@ -171,20 +173,23 @@ def compile_matmul(variant: str):
                      GROUP_M=cfg.group_m, NUM_PROGRAMS=132 if cfg.persistent else mm.ONE_TILE_PER_PROGRAM,
                      DOT_FP32=False,
                      INPUT_PRECISION=dot_precision(torch.bfloat16), HAS_INIT=has_init, OUT_FP32=out_fp32,
-                     PDL=variant.startswith("small_m") or variant == "swap_ab", SWAP_AB=cfg.swap_ab)
+                     PDL=variant.startswith("small_m") or variant == "swap_ab", SWAP_AB=cfg.swap_ab,
+                     RESIDUAL=variant == "small_m_residual")
     if not constants["PDL"]:
         constants["w_ptr"] = None
     if not has_init:
         constants["init_ptr"] = None
     if not out_fp32:
         constants["out32_ptr"] = None
+    if not constants["RESIDUAL"]:
+        constants["res_ptr"] = None
 
     def types(name: str) -> str:
         if name in blocks:
             return f"tensordesc<bf16[{blocks[name][0]}, {blocks[name][1]}]>"
-        return "*bf16" if name == "w_ptr" else "*fp32" if name.endswith("_ptr") else "i32"
+        return "*bf16" if name in ("w_ptr", "res_ptr") else "*fp32" if name.endswith("_ptr") else "i32"
 
-    stages = cfg.num_stages if variant in ("plain", "small_m", "small_m_narrow", "swap_ab") else mm.CONTINUATION_STAGES
+    stages = mm.CONTINUATION_STAGES if has_init or out_fp32 else cfg.num_stages
     return _compile(mm._matmul_tma_kernel, constants, types, cfg.num_warps, stages)
 
 

@@ -397,7 +397,8 @@ def _check_direct_launch(launch_tma, plan, calls):
         launch_tma(plan, 3, descriptors, m, 40, 48, False, True)
     (via_triton, _, triton_args, options), (via_run, grid, direct_args, extra) = calls
     assert (via_triton, via_run) == ("triton", "direct")
-    expected = (*descriptors, 1, 40, 48, None, None, None, False, True, *plan.constexprs, False, False, False, False)
+    expected = (*descriptors, 1, 40, 48, None, None, None, None, False, True, *plan.constexprs, False, False, False, False,
+                False)
     assert direct_args == expected, f"direct launch passed {direct_args}"
     assert grid == (3,) and extra == {"stream": 1234, "hooks": (None, None)}
     assert triton_args[3:] == (33, *expected[4:]), "both paths bind the kernel's parameters in one order"
@@ -413,11 +414,11 @@ def test_a_decode_plan_launches_with_pdl_and_hands_the_weight(fake_gpu_launch):
     for m in (33, 1):
         module._launch_tma(plan, 3, ("a", "b", "c"), m, 40, 48, False, True, weight=weight)
     (_, _, triton_args, options), (_, _, direct_args, _) = calls
-    assert direct_args[8] is weight and direct_args[-2] is True and options["launch_pdl"] is True
-    assert triton_args[8] is weight and triton_args[-2] is True
+    assert direct_args[8] is weight and direct_args[-3] is True and options["launch_pdl"] is True
+    assert triton_args[8] is weight and triton_args[-3] is True
     init = torch.zeros(1, 40)
     module._launch_tma(plan, 3, ("a", "b", "c"), 1, 40, 48, False, True, init, weight=weight)
-    assert calls[-1][2][8] is None and calls[-1][2][-2] is False and calls[-1][3]["launch_pdl"] is False
+    assert calls[-1][2][8] is None and calls[-1][2][-3] is False and calls[-1][3]["launch_pdl"] is False
 
 
 def test_direct_launch_passes_what_triton_would(fake_gpu_launch):
@@ -432,11 +433,11 @@ def test_direct_launch_check_catches_swapped_arguments(fake_gpu_launch):
     module, plan, calls = fake_gpu_launch
 
     def swapped_launch(plan, grid, descriptors, m, n, k, a_trans, b_trans):
-        kernel = plan.tma_kernels.get((0, a_trans, b_trans, False, False, False))
+        kernel = plan.tma_kernels.get((0, a_trans, b_trans, False, False, False, False))
         if kernel is None:
             return module._launch_tma(plan, grid, descriptors, m, n, k, a_trans, b_trans)
-        args = (*descriptors, m, k, n, None, None, None, a_trans, b_trans, *plan.constexprs, False, False, False,
-                False)
+        args = (*descriptors, m, k, n, None, None, None, None, a_trans, b_trans, *plan.constexprs, False, False, False,
+                False, False)
         kernel.run(grid, 1, 1, 1234, kernel.function, kernel.packed_metadata, None, None, None, *args)
 
     with pytest.raises(AssertionError, match="direct launch passed"):
@@ -584,3 +585,57 @@ def test_a_continuation_refuses_an_init_of_the_wrong_kind():
     x, w = torch.randn(4, 32), torch.randn(8, 32)
     with pytest.raises(ValueError, match="init: expected float32"):
         batch_invariant_mm(x, w.t(), init=torch.zeros(4, 8, dtype=torch.bfloat16))
+
+
+# --- the residual epilogue (a decoder layer's h + o_proj(a), h + down_proj(m)) ---------------------
+
+
+def _residual_case(dtype, m=9, k=48, n=40):
+    a, w = _randn(m, k, dtype=dtype, seed=11), _randn(n, k, dtype=dtype, seed=12)
+    return a, w, _randn(m, n, dtype=dtype, seed=13) * 64  # large beside the product: the add rounds
+
+
+@CONFIGS
+@DTYPES
+def test_a_fused_residual_has_the_bits_of_the_separate_add(config, dtype):
+    a, w, h = _residual_case(dtype)
+    fused = batch_invariant_mm(a, w.t(), config=config, residual=h)
+    assert_bitwise(fused, h + batch_invariant_mm(a, w.t(), config=config), f"{dtype} residual")
+
+
+def test_the_residual_check_catches_an_add_before_rounding():
+    # Planted: the residual added to the fp32 accumulator, rounded once; the case must tell it from the kernel's.
+    a, w, h = _residual_case(torch.float16)
+    fused = batch_invariant_mm(a, w.t(), config=TMA, residual=h)
+    planted = (h.float() + batch_invariant_mm(a, w.t(), config=TMA, out_fp32=True)).to(torch.float16)
+    with pytest.raises(AssertionError, match="elements differ"):
+        assert_bitwise(planted, fused, "add before rounding")
+
+
+def test_the_matmul_op_adds_its_residual_and_refuses_a_wrong_one():
+    a, w, h = _residual_case(torch.bfloat16)
+    op = TritonMatmulOp()
+    assert_bitwise(op(a=a[None], b=w.t(), residual=h[None]), h[None] + op(a=a[None], b=w.t()), "op residual")
+    assert_bitwise(NativeMatmulOp().baseline(a=a[None], b=w.t(), residual=h[None]),
+                   h[None] + a[None] @ w.t(), "torch residual")
+    with pytest.raises(ValueError, match="residual: expected shape"):
+        op(a=a[None], b=w.t(), residual=h[None, :, :-1])
+    with pytest.raises(ValueError, match="residual: expected a's dtype"):
+        op(a=a[None], b=w.t(), residual=h[None].float())
+
+
+def test_a_differentiable_residual_call_gives_the_residual_its_gradient():
+    a, w, h = (t.float().requires_grad_() for t in _residual_case(torch.float32))
+    TritonMatmulOp()(a=a[None], b=w.t(), residual=h[None]).sum().backward()
+    assert torch.equal(h.grad, torch.ones_like(h)) and a.grad is not None and w.grad is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64, 300])
+def test_gpu_fused_residual_has_the_bits_of_the_separate_add(m):
+    # Qwen3-8B's o_proj and down_proj at decode and prefill M (each M's own tier), with their L2 prefetch and PDL.
+    for n, k in ((4096, 4096), (4096, 12288)):
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        h = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 8
+        assert_bitwise(batch_invariant_mm(a, w.t(), residual=h), h + batch_invariant_mm(a, w.t()), f"{m}x{n}x{k}")

@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 from triton._utils import validate_block_shape
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from rl_engine.kernels.ops.pytorch.linear.matmul import NativeMatmulOp
 from rl_engine.kernels.ops.triton.runtime import (
@@ -257,15 +257,16 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_pointer_kernel(
-    a_ptr, b_ptr, c_ptr, M, N, K, init_ptr,
+    a_ptr, b_ptr, c_ptr, M, N, K, init_ptr, res_ptr,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    HAS_INIT: tl.constexpr = False,
+    HAS_INIT: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
 ):  # fmt: skip
     # HAS_INIT: the accumulator starts from init_ptr's fp32 [M, N] (contiguous) instead of zero: the
     # K loop continued from an earlier launch's fp32 partial (a tensor-parallel rank continuing the
     # previous rank's reduction), the same adds in the same order as one launch over the whole K.
+    # RESIDUAL: c = res + c, res_ptr [M, N] contiguous in c's dtype (`_add_residual`).
     start = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -307,7 +308,19 @@ def _matmul_pointer_kernel(
         offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         c_ptrs = c_ptr + offs_cm.to(tl.int64)[:, None] * stride_cm + offs_cn[None, :] * stride_cn
         c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+        c = acc.to(c_ptr.dtype.element_ty)
+        if RESIDUAL:
+            c = _add_residual(c, res_ptr, offs_cm, offs_cn, M, N)
+        tl.store(c_ptrs, c, mask=c_mask)
+
+
+@triton.jit
+def _add_residual(c, res_ptr, rows, cols, M, N):
+    """res + c for the tile at (rows, cols), rounded once to c's dtype: the bits of torch's `res + c` on the rounded
+    product (a 16-bit add computes in fp32 and rounds), so a fused residual changes no bit."""
+    res = tl.load(res_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :],
+                  mask=(rows[:, None] < M) & (cols[None, :] < N), other=0.0)
+    return (res.to(tl.float32) + c.to(tl.float32)).to(c.dtype)
 
 
 @triton.jit
@@ -319,13 +332,14 @@ def _prefetch_rows_l2(ptrs, mask):
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_tma_kernel(
-    a_desc, b_desc, c_desc, M, N, K, init_ptr, out32_ptr, w_ptr,
+    a_desc, b_desc, c_desc, M, N, K, init_ptr, out32_ptr, w_ptr, res_ptr,
     A_TRANS: tl.constexpr, B_TRANS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     HAS_INIT: tl.constexpr, OUT_FP32: tl.constexpr, PDL: tl.constexpr, SWAP_AB: tl.constexpr,
+    RESIDUAL: tl.constexpr,
 ):  # fmt: skip
-    # HAS_INIT: see _matmul_pointer_kernel. OUT_FP32: the unrounded accumulator goes to out32_ptr
+    # HAS_INIT, RESIDUAL: see _matmul_pointer_kernel. OUT_FP32: the unrounded accumulator goes to out32_ptr
     # (fp32 [M, N], contiguous) through plain stores: an fp32 TMA store tile would not fit beside the
     # pipeline's buffers in shared memory. Both off: the kernel as it always was.
     # A_TRANS: a_desc describes the stored [K,M] tensor whose transpose is a; B_TRANS: b_desc
@@ -341,9 +355,11 @@ def _matmul_tma_kernel(
     if PDL:
         # Launched while the kernel before it still runs (programmatic dependent launch): the weight, which no
         # kernel of the step writes, starts streaming into L2 (the head of each of the first tile's rows; w_ptr
-        # is the stored [N, K] weight), then the program waits for that kernel's end before touching a or c.
+        # is the stored [N, K] weight), lets the kernel after it launch in turn (its programs wait for this one's
+        # end the same way), then waits for the kernel before to end before touching a or c.
         rows = _tile_coords(start, num_pid_m, num_pid_n, GROUP_M)[1] * BLOCK_N + tl.arange(0, BLOCK_N)
         _prefetch_rows_l2(w_ptr + rows.to(tl.int64) * K, rows < N)
+        gdc_launch_dependents()
         gdc_wait()
     for tile_id in tl.range(start, num_tiles, NUM_PROGRAMS, flatten=True):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
@@ -393,7 +409,11 @@ def _matmul_tma_kernel(
             tl.store(out32_ptr + rows_c.to(tl.int64)[:, None] * N + cols_c[None, :], acc,
                      mask=(rows_c[:, None] < M) & (cols_c[None, :] < N))
         else:
-            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
+            c = acc.to(c_desc.dtype)
+            if RESIDUAL:
+                c = _add_residual(c, res_ptr, pid_m * BLOCK_M + tl.arange(0, BLOCK_M),
+                                  pid_n * BLOCK_N + tl.arange(0, BLOCK_N), M, N)
+            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], c)
 
 
 def _stored_rows(b: torch.Tensor) -> bool:
@@ -454,7 +474,7 @@ class _Plan:
     a_block: dict[bool, list[int]]  # TMA block shape of the stored a, by A_TRANS
     b_block: dict[bool, list[int]]  # ... of the stored b, by B_TRANS
     c_block: list[int]
-    # Compiled TMA kernels by (current device, A_TRANS, B_TRANS, HAS_INIT, OUT_FP32), launched without Triton's
+    # Compiled TMA kernels by (current device, A_TRANS, B_TRANS, HAS_INIT, OUT_FP32, PDL, RESIDUAL), launched without Triton's
     # argument binding. Their specialisation is fixed by this plan: descriptors specialise on
     # dtype and block shape only, N and K are the plan's, and M is never specialised.
     tma_kernels: dict = dataclasses.field(default_factory=dict)
@@ -530,12 +550,12 @@ def _launch_hooks_set() -> bool:
 
 def _launch_tma(plan: _Plan, grid: int, descriptors: tuple, m: int, n: int, k: int, a_trans: bool, b_trans: bool,
                 init: torch.Tensor | None = None, out32: torch.Tensor | None = None,
-                weight: torch.Tensor | None = None):
+                weight: torch.Tensor | None = None, residual: torch.Tensor | None = None):
     cfg = plan.config
     # Every kernel parameter, positionally and in order, constexprs included (the launcher skips them).
     pdl = plan.pdl and b_trans and init is None and out32 is None
-    args = (*descriptors, m, n, k, init, out32, weight if pdl else None, a_trans, b_trans, *plan.constexprs,
-            init is not None, out32 is not None, pdl, cfg.swap_ab)
+    args = (*descriptors, m, n, k, init, out32, weight if pdl else None, residual, a_trans, b_trans, *plan.constexprs,
+            init is not None, out32 is not None, pdl, cfg.swap_ab, residual is not None)
     # A continuation moves an fp32 tile through shared memory (sm90 check: 131 KB at one stage, over the
     # H200's 227 KB at two). Pipelining depth changes no bit: the same dots in the same order.
     stages = cfg.num_stages if init is None and out32 is None else CONTINUATION_STAGES
@@ -544,7 +564,7 @@ def _launch_tma(plan: _Plan, grid: int, descriptors: tuple, m: int, n: int, k: i
         return
     device = torch.cuda.current_device()
     ensure_cuda_context(device)
-    key = (device, a_trans, b_trans, init is not None, out32 is not None, pdl)
+    key = (device, a_trans, b_trans, init is not None, out32 is not None, pdl, residual is not None)
     kernel = plan.tma_kernels.get(key)
     if kernel is None or _launch_hooks_set():
         # First call for this plan (compiles or loads from Triton's cache), or a profiler is listening.
@@ -565,7 +585,7 @@ def writable_rows(out: torch.Tensor) -> bool:
 
 def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig | None = None,
                        init: torch.Tensor | None = None, out_fp32: bool = False,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """c = a @ b in a's dtype, fp32 accumulation; row i of c depends only on a[i] and b.
 
     a: [M,K], b: [K,N], any strides (b is typically weight.t(): no copy is made).
@@ -574,10 +594,17 @@ def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig
     init (fp32 [M,N]): the accumulator's start instead of zero. out_fp32: return the unrounded fp32
     accumulator. Together they split one product's K loop over launches without changing a bit.
     out: c is written there (a's dtype, [M,N] rows of stride N: e.g. a weight gradient's vocabulary rows).
+    residual ([M,N], a's dtype): c = residual + a @ b, added in the epilogue to the rounded product: the bits of the
+    separate add, one launch fewer (a decode layer's residual stream).
     """
     _check_operands(a, b)
     (m, k), n = a.shape, b.shape[1]
     out_dtype = torch.float32 if out_fp32 else a.dtype
+    if residual is not None:
+        if residual.dtype != a.dtype or residual.shape != (m, n) or init is not None or out_fp32:
+            raise ValueError(f"residual: expected {a.dtype} {(m, n)} and neither init nor out_fp32; got "
+                             f"{residual.dtype} {tuple(residual.shape)}")
+        residual = residual.contiguous()
     if out is not None and (out.dtype != out_dtype or out.shape != (m, n) or not writable_rows(out)):
         raise ValueError(f"out: expected {out_dtype} {(m, n)}, row stride {n}, 16-byte aligned; got {out.dtype} "
                          f"{tuple(out.shape)} strides {out.stride()}")
@@ -587,11 +614,15 @@ def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig
         init = init.contiguous()
     if m == 0 or n == 0 or k == 0:
         c = (init if init is not None else torch.zeros((m, n), dtype=torch.float32, device=a.device)).to(out_dtype)
+        if residual is not None:
+            c = residual + c
         return c if out is None else out.copy_(c)
     plan = _plan(a.dtype, n, k, a.get_device(), config)
     while m <= plan.small_max_m and (not plan.small.config.swap_ab or _stored_rows(b)):
         plan = plan.small  # narrower tiles, more programs: the same reduction order (checked in _plan)
     cfg = plan.config
+    # Rounded on the host (the interpreter's bf16): the residual is added after that rounding, on the host too.
+    fused_residual, residual = (residual, None) if not plan.round_on_host else (None, residual)
     if out is not None and not plan.round_on_host:
         c = out
     else:
@@ -615,15 +646,18 @@ def batch_invariant_mm(a: torch.Tensor, b: torch.Tensor, *, config: MatmulConfig
             host_descriptor(b, b_shape, b_strides, plan.b_block[b_trans]),
             host_descriptor(c, [m, n], [n, 1], plan.c_block),
         )
-        _launch_tma(plan, grid, descriptors, m, n, k, a_trans, b_trans, init, c if out_fp32 else None, b)
+        _launch_tma(plan, grid, descriptors, m, n, k, a_trans, b_trans, init, c if out_fp32 else None, b,
+                    fused_residual)
     else:
         _matmul_pointer_kernel[(grid,)](
-            a, b, c, m, n, k, init,
+            a, b, c, m, n, k, init, fused_residual,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-            *plan.constexprs, init is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            *plan.constexprs, init is not None, fused_residual is not None, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )  # fmt: skip
     if plan.round_on_host:
-        return c.to(out_dtype) if out is None else out.copy_(c)
+        c = c.to(out_dtype) if residual is None else residual + c.to(out_dtype)
+        return c if out is None else out.copy_(c)
     return c
 
 
@@ -655,20 +689,25 @@ def _mm_backward(ctx, grad_c: torch.Tensor):
 batch_invariant_mm_autograd = register_autograd(batch_invariant_mm_op, _mm_backward, _mm_setup_context)
 
 
-def triton_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """out[..., :] = a[..., :] @ b for a of any leading shape [..., K] and b [K,N]; differentiable."""
+def triton_matmul(a: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """out[..., :] = a[..., :] @ b (+ residual[..., :]) for a of any leading shape [..., K] and b [K,N];
+    differentiable (a differentiable call adds the residual apart: its gradient is the output's)."""
     lead = a.shape[:-1]
-    mm = batch_invariant_mm_autograd if needs_autograd(a, b) else batch_invariant_mm
-    out = mm(a.reshape(lead.numel(), a.shape[-1]), b)  # not -1, ambiguous when K = 0
-    return out.reshape(*lead, b.shape[1])
+    a2 = a.reshape(lead.numel(), a.shape[-1])  # not -1, ambiguous when K = 0
+    if needs_autograd(a, b) or (residual is not None and needs_autograd(residual)):
+        out = batch_invariant_mm_autograd(a2, b).reshape(*lead, b.shape[1])
+        return out if residual is None else residual + out
+    res = None if residual is None else residual.reshape(lead.numel(), b.shape[1])
+    return batch_invariant_mm(a2, b, residual=res).reshape(*lead, b.shape[1])
 
 
 class TritonMatmulOp:
-    """Triton candidate for NativeMatmulOp: a [B,S,K] @ b [K,N] -> [B,S,N] in the inputs' dtype."""
+    """Triton candidate for NativeMatmulOp: a [B,S,K] @ b [K,N] (+ residual [B,S,N]) -> [B,S,N] in the inputs'
+    dtype; the residual is added in the product's epilogue."""
 
     input_names = NativeMatmulOp.input_names
 
-    def __call__(self, *, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        check_devices("TritonMatmulOp", a=a, b=b)
-        NativeMatmulOp().validate(a=a, b=b)
-        return triton_matmul(a, b)
+    def __call__(self, *, a: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        check_devices("TritonMatmulOp", a=a, b=b, residual=residual)
+        NativeMatmulOp().validate(a=a, b=b, residual=residual)
+        return triton_matmul(a, b, residual)
