@@ -156,14 +156,15 @@ def compile_matmul(variant: str):
     as one product ("plain"), or as a K-slice continuing another launch's fp32 partial ("init"),
     handing its own on ("out_fp32"), or both (a tensor-parallel rank in the middle of the chain); or
     the small-M (decode) tiers at the same shape ("small_m": the widest, "small_m_narrow": the narrowest,
-    "small_m_residual": the widest adding the residual stream in its epilogue), launched as decode launches are (PDL:
-    the weight's L2 prefetch, the trigger of the kernel after, then the wait for the kernel before)."""
+    "small_m_residual": the narrowest adding the residual stream in its epilogue, as o_proj does at batch 1),
+    launched as decode launches are (PDL: the weight's L2 prefetch, the trigger of the kernel after, then the wait
+    for the kernel before)."""
     from rl_engine.kernels.ops.triton.linear import matmul as mm
 
     cfg = mm.matmul_config(torch.bfloat16, 4096, 4096)
     tiers = mm.small_m_tiers(torch.bfloat16, 4096, 4096)
     if variant.startswith("small_m"):
-        cfg = (tiers[0] if variant == "small_m_narrow" else tiers[-1]).config
+        cfg = (tiers[0] if variant in ("small_m_narrow", "small_m_residual") else tiers[-1]).config
     if variant == "swap_ab":
         cfg = mm.MatmulConfig(**SWAP_AB_PROBE)
     has_init, out_fp32 = variant in ("init", "init_out_fp32"), variant in ("out_fp32", "init_out_fp32")

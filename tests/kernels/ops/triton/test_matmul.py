@@ -397,8 +397,8 @@ def _check_direct_launch(launch_tma, plan, calls):
         launch_tma(plan, 3, descriptors, m, 40, 48, False, True)
     (via_triton, _, triton_args, options), (via_run, grid, direct_args, extra) = calls
     assert (via_triton, via_run) == ("triton", "direct")
-    expected = (*descriptors, 1, 40, 48, None, None, None, None, False, True, *plan.constexprs, False, False, False, False,
-                False)
+    expected = (*descriptors, 1, 40, 48, None, None, None, None, False, True, *plan.constexprs,
+                False, False, False, False, False)
     assert direct_args == expected, f"direct launch passed {direct_args}"
     assert grid == (3,) and extra == {"stream": 1234, "hooks": (None, None)}
     assert triton_args[3:] == (33, *expected[4:]), "both paths bind the kernel's parameters in one order"
