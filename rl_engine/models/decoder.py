@@ -185,6 +185,29 @@ class DecoderModel:
             return None
         return first.as_strided((sum(rows), k), (k, 1)), rows
 
+    def _stacked_heads(self, q, k, layer):
+        """(q and k as one [B,S,Hq+Hkv,D] view, their norm weights as one [2,D] view) where q's and k's heads lie
+        side by side in one product (a stacked q/k/v) and the norm weights are consecutive (`pack_projections`) and
+        both ops run Triton (one launch each, each head's bits as in its own launch); else (None, None)."""
+        if not (self.family.qk_norm and self.ops.profile.backend("rms_norm") == "triton"
+                and self.ops.profile.backend("rope") == "triton"):
+            return None, None
+        d = q.shape[-1]
+        # strides compared where a dimension has more than one index (a size-1 dimension's stride is arbitrary)
+        if (q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()
+                or any(n > 1 and a != b for n, a, b in zip(q.shape[:2], q.stride()[:2], k.stride()[:2]))
+                or any(t.stride(3) != 1 or (t.shape[2] > 1 and t.stride(2) != d) for t in (q, k))
+                or k.storage_offset() != q.storage_offset() + q.shape[2] * d):
+            return None, None
+        wq, wk = self._weight("q_norm", layer), self._weight("k_norm", layer)
+        if (wq.untyped_storage().data_ptr() != wk.untyped_storage().data_ptr() or wq.dim() != 1 or wk.dim() != 1
+                or wq.stride() != (1,) or wk.stride() != (1,) or wq.dtype != wk.dtype
+                or wk.storage_offset() != wq.storage_offset() + wq.shape[0]):
+            return None, None
+        b, s, hq, _ = q.shape
+        qk = q.as_strided((b, s, hq + k.shape[2], d), (*q.stride()[:2], d, 1))
+        return qk, wq.as_strided((2, d), (d, 1))
+
     def _head_norm(self, node, x, role, layer):
         b, s, h, d = x.shape
         return self._norm(node, x.reshape(b, s * h, d), role, layer).view(b, s, h, d)
@@ -200,11 +223,18 @@ class DecoderModel:
         q = q.reshape(b, s, c.num_heads, c.head_dim)
         k = k.reshape(b, s, c.num_kv_heads, c.head_dim)
         v = v.reshape(b, s, c.num_kv_heads, c.head_dim)
-        if self.family.qk_norm:
-            q = self._head_norm(f"{p}.self_attn.q_norm", q, "q_norm", i)
-            k = self._head_norm(f"{p}.self_attn.k_norm", k, "k_norm", i)
-        q = self._rope(f"{p}.self_attn.q_rope", q, positions)
-        k = self._rope(f"{p}.self_attn.k_rope", k, positions)
+        qk, norms = self._stacked_heads(q, k, i)
+        if qk is not None:  # q's and k's heads adjacent in one product: one norm launch and one RoPE launch
+            qk = self.ops("rms_norm", f"{p}.self_attn.q_norm+k_norm", {"eps": c.rms_norm_eps, "split": c.num_heads},
+                          x=qk, weight=norms)
+            q, k = self._rope(f"{p}.self_attn.q_rope+k_rope", qk, positions).split(
+                [c.num_heads, c.num_kv_heads], dim=2)
+        else:
+            if self.family.qk_norm:
+                q = self._head_norm(f"{p}.self_attn.q_norm", q, "q_norm", i)
+                k = self._head_norm(f"{p}.self_attn.k_norm", k, "k_norm", i)
+            q = self._rope(f"{p}.self_attn.q_rope", q, positions)
+            k = self._rope(f"{p}.self_attn.k_rope", k, positions)
         a = attend(i, f"{p}.self_attn.attention", q, k, v).reshape(b, s, c.num_heads * c.head_dim)
         h = self._residual_linear(f"{p}.self_attn.o_proj", h, a, "o_proj", i)
         x = self._norm(f"{p}.post_attention_layernorm", h, "post_norm", i)

@@ -119,13 +119,14 @@ def synthetic_weights(config: ModelConfig, seed: int, *, device="cpu", dtype=tor
 
 # Projections of one input whose weights `pack_projections` stacks by rows, so that a layer runs each group as one
 # product (DecoderModel._projections): at small M one wide product streams the weights faster than three narrow ones.
-PACKED_ROLES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# q's and k's norm weights likewise, so that their heads, adjacent in the q/k/v product, are normed in one launch.
+PACKED_ROLES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_norm", "k_norm"))
 
 
 def pack_projections(weights: dict, config: ModelConfig) -> dict:
-    """A new dict in which each layer's q/k/v and gate/up weights are row views of one buffer (copied there); every
-    other tensor is the same object. For a model that generates (the rollout engine's): a trainer's parameters stay
-    separate tensors. `update_weights` writes into the views in place."""
+    """A new dict in which each layer's q/k/v, gate/up and q/k norm weights are row views of one buffer (copied
+    there); every other tensor is the same object. For a model that generates (the rollout engine's): a trainer's
+    parameters stay separate tensors. `update_weights` writes into the views in place."""
     family = get_family(config.family)
     packed = dict(weights)
     for i in range(config.num_layers):

@@ -77,6 +77,7 @@ def test_a_token_budget_splits_prefill_forwards_without_changing_a_bit(micro_mod
 
 
 QKV, GATE_UP = "model.layers.0.self_attn.q_proj+k_proj+v_proj", "model.layers.0.mlp.gate_proj+up_proj"
+QK_NORM, QK_ROPE = "model.layers.0.self_attn.q_norm+k_norm", "model.layers.0.self_attn.q_rope+k_rope"
 
 
 def _stacked_run(micro_config, micro_weights):
@@ -89,8 +90,22 @@ def _stacked_run(micro_config, micro_weights):
 
 def test_stacked_projections_run_as_one_product_with_the_bits_of_each(micro_config, micro_weights, alone):
     got, nodes = _stacked_run(micro_config, micro_weights)
-    assert {QKV, GATE_UP} <= nodes and "model.layers.0.self_attn.k_proj" not in nodes
+    assert {QKV, GATE_UP, QK_NORM, QK_ROPE} <= nodes and "model.layers.0.self_attn.k_proj" not in nodes
+    assert "model.layers.0.self_attn.k_norm" not in nodes and "model.layers.0.self_attn.k_rope" not in nodes
     assert not mismatches(got, alone)
+
+
+def test_q_and_k_heads_stacked_with_their_norms_swapped_are_caught(micro_config, micro_weights, alone, monkeypatch):
+    # Planted: the one norm launch given [k_norm; q_norm] (q's heads normed by k's weight)
+    stacked = decoder.DecoderModel._stacked_heads
+
+    def swapped(self, q, k, layer):
+        qk, norms = stacked(self, q, k, layer)
+        return qk, None if norms is None else norms.flip(0)
+
+    monkeypatch.setattr(decoder.DecoderModel, "_stacked_heads", swapped)
+    got, nodes = _stacked_run(micro_config, micro_weights)
+    assert QK_NORM in nodes and mismatches(got, alone)
 
 
 def test_a_stacked_product_that_would_walk_k_otherwise_is_refused(micro_config, micro_weights, alone, monkeypatch):

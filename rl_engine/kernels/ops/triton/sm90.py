@@ -196,7 +196,7 @@ def compile_matmul(variant: str):
 
 # The small kernels of a decode step, as the step launches them: programmatic dependents (runtime.pdl_launch), bf16,
 # Qwen3-8B's widths (hidden 4096, intermediate 12288, 32 heads of 128, 8 KV heads).
-DECODE_KERNELS = ("rms_norm", "swiglu", "rope", "paged_write")
+DECODE_KERNELS = ("rms_norm", "rms_norm_heads", "swiglu", "rope", "paged_write")
 
 
 def compile_decode(kind: str):
@@ -208,9 +208,10 @@ def compile_decode(kind: str):
     def types(ints: dict[str, str], default: str = "*bf16"):
         return lambda n: ints.get(n, default if n.endswith("_ptr") else "i32")
 
-    if kind == "rms_norm":
-        block, warps = launch_config(4096)
-        return _compile(_rms_norm_forward_kernel, dict(BLOCK_H=block, PDL=True),
+    if kind in ("rms_norm", "rms_norm_heads"):  # the hidden rows; q's and k's heads in one launch (weight rows)
+        heads = kind == "rms_norm_heads"
+        block, warps = launch_config(128 if heads else 4096)
+        return _compile(_rms_norm_forward_kernel, dict(BLOCK_H=block, SPLIT_WEIGHT=heads, PDL=True),
                         types({"rstd_ptr": "*fp32", "eps": "fp32"}), warps, 1)
     if kind == "swiglu":
         return _compile(_swiglu_forward_kernel, dict(BLOCK=BLOCK, PDL=True), types({}), NUM_WARPS, 1)

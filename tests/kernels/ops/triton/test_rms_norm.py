@@ -154,3 +154,43 @@ def test_heads_of_a_stacked_product_are_normed_in_place_with_the_bits_of_a_copy(
     assert torch.equal(module.rms_norm(q, w), want)
     monkeypatch.setattr(module, "_row_layout", lambda x: (x, x.shape[1], x.shape[1] * x.shape[2], x.shape[2]))
     assert not torch.equal(module.rms_norm(q, w), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_q_and_k_heads_normed_in_one_launch_with_the_bits_of_two(dtype, monkeypatch):
+    """q's and k's heads of one q/k/v product (tokens × (Hq + Hkv) heads, read at the token stride) normed by one
+    launch with weight rows [q_norm, k_norm]: each part's bits as its own launch; gradients as the parts'; a planted
+    split one head off is caught."""
+    from rl_engine.kernels.ops.triton.norm import rms_norm as module
+
+    gen = torch.Generator().manual_seed(2)
+    hq, hkv, d = 4, 2, 16
+    qkv = torch.randn(2, 3, (hq + 2 * hkv) * d, generator=gen).to(dtype).to(DEVICE)
+    qk = qkv[..., : (hq + hkv) * d].view(2, 3, hq + hkv, d)
+    weights = (torch.rand(2, d, generator=gen) + 0.5).to(dtype).to(DEVICE)
+    assert not qk.is_contiguous()
+    want = torch.cat([module.rms_norm(qk[:, :, :hq].contiguous(), weights[0]),
+                      module.rms_norm(qk[:, :, hq:].contiguous(), weights[1])], dim=2)
+    got = TritonRmsNormOp(split=hq)(x=qk, weight=weights)
+    assert torch.equal(got, want)
+    gold = NativeRmsNormOp(split=hq)(x=qk.double(), weight=weights.double())
+    _assert_close(got, gold, dtype)
+    # under autograd: the parts through the differentiable op, the same bits and the parts' gradients
+    x, w = qk.clone().requires_grad_(), weights.clone().requires_grad_()
+    y = module.rms_norm(x, w, split=hq)
+    assert torch.equal(y.detach(), want)
+    y.float().square().sum().backward()
+    x_ref, w_ref = qk.clone().requires_grad_(), weights.clone().requires_grad_()
+    torch.cat([module.rms_norm(x_ref[:, :, :hq], w_ref[0]), module.rms_norm(x_ref[:, :, hq:], w_ref[1])],
+              dim=2).float().square().sum().backward()
+    assert torch.equal(x.grad, x_ref.grad) and torch.equal(w.grad, w_ref.grad)
+    launch = module.rms_norm_forward
+    monkeypatch.setattr(module, "rms_norm_forward", lambda *a, split=None, **k: launch(*a, split=split - 1, **k))
+    assert not torch.equal(module.rms_norm(qk, weights, split=hq), want)
+
+
+@pytest.mark.parametrize("split", [0, 6])
+def test_a_split_outside_the_heads_is_refused(split):
+    x = torch.randn(1, 2, 6, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="split"):
+        TritonRmsNormOp(split=split)(x=x, weight=torch.ones(2, 8, device=DEVICE))

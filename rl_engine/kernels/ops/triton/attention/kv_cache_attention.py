@@ -35,7 +35,7 @@ from rl_engine.kernels.ops.triton.attention.contract import (
     default_scale,
 )
 from rl_engine.kernels.ops.triton.attention.dispatch import _aligned, flash_attention_op, flash_forward
-from rl_engine.kernels.ops.triton.runtime import check_devices, interpreting
+from rl_engine.kernels.ops.triton.runtime import check_devices, interpreting, unit_column_rows
 
 TABLE_BLOCK = 128  # cache rows per program
 
@@ -103,16 +103,19 @@ def triton_kv_cache_attention(q, k_cache, v_cache, cache_seqlens, *, scale: floa
         if torch.compiler.is_compiling():  # traced: the custom op reads contiguous rows; the gathered cache's bits
             k_cache, v_cache = paged_cache_view(k_cache, block_table), paged_cache_view(v_cache, block_table)
             paged, page_size = False, None
-    rows = [t.reshape(-1, t.shape[2], t.shape[3]).contiguous() for t in (q, k_cache, v_cache)]
+    # q's rows at their row stride (q of a stacked q/k, read in place) for the Gluon decode; contiguous for flash.py
+    q_rows = unit_column_rows(q, hq * d).view(-1, hq, d)
+    rows = [t.reshape(-1, t.shape[2], t.shape[3]).contiguous() for t in (k_cache, v_cache)]
     if q.is_cuda and not interpreting() and not torch.compiler.is_compiling() and 0 < b <= MAX_SEQUENCES:
         from rl_engine.kernels.ops.triton.attention import gluon_decode
 
-        if gluon_decode.covers(rows[0], rows[1], sq, page_size):  # the table built in the kernel: one launch fewer
+        if gluon_decode.covers(q_rows, rows[0], sq, page_size):  # the table built in the kernel: one launch fewer
             with torch.no_grad():
-                out, _ = gluon_decode.gluon_decode_cache(*_aligned(*rows), cache_seqlens.to(device=q.device), sq,
-                                                         smax, scale=default_scale(d, scale), block_table=block_table,
-                                                         page_size=page_size or 1)
+                out, _ = gluon_decode.gluon_decode_cache(*_aligned(q_rows, *rows), cache_seqlens.to(device=q.device),
+                                                         sq, smax, scale=default_scale(d, scale),
+                                                         block_table=block_table, page_size=page_size or 1)
             return out.reshape(q.shape)
+    rows = [q_rows.contiguous(), *rows]
     table = kv_cache_table(cache_seqlens, sq, smax, q.device, paged=paged)
     heads_per_tile = _heads_per_tile(hq // hkv, attention_config(q.dtype, d).forward.block_m, sq)
     with torch.no_grad():  # forward only: cached rows past a length are not covered by the table

@@ -46,11 +46,13 @@ ROWS_PER_PROGRAM = 32
 @triton.jit
 def _rms_norm_forward_kernel(
     x_ptr, weight_ptr, y_ptr, rstd_ptr,
-    H, eps, group_rows, stride_group, stride_row,
-    BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+    H, eps, group_rows, stride_group, stride_row, heads, split,
+    BLOCK_H: tl.constexpr, SPLIT_WEIGHT: tl.constexpr, PDL: tl.constexpr,
 ):
     # x's row r lies at (r // group_rows) · stride_group + (r % group_rows) · stride_row: contiguous rows, or a
     # stacked product's heads read in place (q or k of q/k/v: tokens × heads). y is contiguous.
+    # SPLIT_WEIGHT: rows are tokens × `heads` heads; heads [0, split) take weight row 0, the rest row 1 (q's and
+    # k's norms in one launch: the same code per row, only the weight's address differs).
     if PDL:  # launched as a programmatic dependent (runtime.pdl_launch)
         gdc_launch_dependents()
         gdc_wait()
@@ -59,7 +61,10 @@ def _rms_norm_forward_kernel(
     mask = cols < H
     src = (row // group_rows) * stride_group + (row % group_rows) * stride_row
     x = tl.load(x_ptr + src + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    w_ptrs = weight_ptr + cols
+    if SPLIT_WEIGHT:
+        w_ptrs += tl.where(row % heads >= split, H, 0)
+    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
     y = x * rstd * w
     tl.store(y_ptr + row * H + cols, cast_rne(y, y_ptr.dtype.element_ty), mask=mask)
@@ -125,9 +130,11 @@ def _row_layout(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     return x.reshape(-1, hidden).contiguous(), max(x.numel() // max(hidden, 1), 1), 0, hidden
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int | None = None):
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int | None = None,
+                     split: int | None = None):
     """(y [N,H] contiguous in x's dtype, rstd [N] fp32) for the N rows of x [..., H] (read in place where the
-    layout allows: `_row_layout`)."""
+    layout allows: `_row_layout`). split: x is [..., Hh, H] and weight [2, H] (contiguous), heads [0, split) are
+    normed by weight[0] and the rest by weight[1]."""
     hidden = x.shape[-1]
     n = x.numel() // hidden if hidden else 0
     y = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
@@ -135,8 +142,10 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, num_warp
     block, warps = launch_config(hidden)
     if n:
         src, group_rows, stride_group, stride_row = _row_layout(x)
+        heads = x.shape[-2] if split is not None else 1
         _rms_norm_forward_kernel[(n,)](src, weight, y, rstd, hidden, eps, group_rows, stride_group, stride_row,
-                                       BLOCK_H=block, num_warps=num_warps or warps, **pdl_launch())
+                                       heads, heads if split is None else split, BLOCK_H=block,
+                                       SPLIT_WEIGHT=split is not None, num_warps=num_warps or warps, **pdl_launch())
     return y, rstd
 
 
@@ -199,8 +208,12 @@ def _rms_norm_backward(ctx, dy: torch.Tensor, _drstd):
 rms_norm_autograd = register_autograd(rms_norm_op, _rms_norm_backward, _rms_norm_setup_context)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """RMSNorm over the last dim of x [..., H] with weight [H]; returns x's dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, split: int | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim of x [..., H] with weight [H]; returns x's dtype. split: two projections' heads
+    stacked, x [..., Hh, H] and weight [2, H]: heads [0, split) normed by weight[0], the rest by weight[1], in one
+    launch with the bits of normalising each part on its own."""
+    if split is not None:
+        return _rms_norm_split(x, weight, eps, split)
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"weight: expected shape [H] = ({x.shape[-1]},), got {tuple(weight.shape)}")
     expect_float("x", x, "[..., H]")
@@ -212,15 +225,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     return rms_norm_autograd(x, weight, eps)[0]
 
 
+def _rms_norm_split(x: torch.Tensor, weight: torch.Tensor, eps: float, split: int) -> torch.Tensor:
+    expect_float("x", x, "[..., Hh, H]")
+    expect_float("weight", weight, "[2, H]")
+    if x.dim() < 2 or tuple(weight.shape) != (2, x.shape[-1]) or not 0 < split < x.shape[-2]:
+        raise ValueError(f"x, weight, split: expected x [..., Hh, H], weight [2, H] and 0 < split < Hh; got x "
+                         f"{tuple(x.shape)}, weight {tuple(weight.shape)}, split {split}")
+    if needs_autograd(x, weight):  # each part through the differentiable op: the same per-row kernel
+        parts = (rms_norm(x[..., :split, :], weight[0], eps), rms_norm(x[..., split:, :], weight[1], eps))
+        return torch.cat(parts, dim=-2)
+    y, _ = rms_norm_forward(x, weight.contiguous(), eps, split=split)
+    return y.reshape(x.shape)
+
+
 class TritonRmsNormOp:
-    """Triton candidate for NativeRmsNormOp: op(x=[B,S,H], weight=[H]) -> [B,S,H] in x's dtype."""
+    """Triton candidate for NativeRmsNormOp: op(x=[B,S,H], weight=[H]) -> [B,S,H] in x's dtype (with `split`:
+    x [B,S,Hh,D], weight [2,D])."""
 
     input_names = NativeRmsNormOp.input_names
 
-    def __init__(self, eps: float = 1e-6):
+    def __init__(self, eps: float = 1e-6, split: int | None = None):
         self.eps = eps
+        self.split = split
 
     def __call__(self, *, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         check_devices("TritonRmsNormOp", x=x, weight=weight)
-        NativeRmsNormOp(self.eps).validate(x=x, weight=weight)
-        return rms_norm(x, weight, self.eps)
+        NativeRmsNormOp(self.eps, self.split).validate(x=x, weight=weight)
+        return rms_norm(x, weight, self.eps, self.split)
