@@ -32,10 +32,11 @@ run_stage() {
   case "$1" in
     env)
       stage env 60 bash -c 'nvidia-smi; python3 -c "import torch, triton, numpy; print(torch.__version__, triton.__version__, numpy.__version__, torch.cuda.get_device_name())"; python3 -c "import liger_kernel; print(\"liger ok\")"' ;;
-    gate)  # the GPU gate: the whole gpu-marked suite + check-op for every op at Qwen3-8B geometry
+    gate)  # the GPU gate: the whole gpu-marked suite + check-op for every op at Qwen3-8B geometry (534 s on an
+      # H100 at 3e9462c: give it a call of its own)
       # xdist workers by cores (Triton compiles are CPU-bound); COMMIT labels the tree (the copy's .git is stale:
       # pass the sha literally, not $(git rev-parse HEAD) there); the log's tree= digest names the code either way.
-      stage gate 540 python3 scripts/gpu_gate.py --out "$R/evidence/gate" --workers $(( $(nproc) / 3 )) \
+      stage gate 590 python3 scripts/gpu_gate.py --out "$R/evidence/gate" --workers $(( $(nproc) / 3 )) \
         ${COMMIT:+--commit "$COMMIT"} ;;
     pytest:*)  # pytest:FILE[,FILE...]: the gpu tests of those files only (a probe, never the gate)
       local files=${1#pytest:}
