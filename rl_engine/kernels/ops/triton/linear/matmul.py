@@ -133,11 +133,11 @@ SMALL_M_OVERRIDES: dict[tuple[str, int, int], SmallMConfig | tuple[SmallMConfig,
     ("bfloat16", 1024, 4096): SmallMConfig(256, _DECODE_NARROW),  # Qwen3-8B k/v
     # Wide N already gives every SM tiles; from M = 256 the large tiles' operand reuse wins there.
     ("bfloat16", 12288, 4096): SmallMConfig(128, _DECODE),  # gate/up
-    ("bfloat16", 24576, 4096): SmallMConfig(128, _DECODE),  # gate and up fused
     ("bfloat16", 151936, 4096): SmallMConfig(128, MatmulConfig(64, 128, 128, num_warps=4, num_stages=4)),  # lm_head
     ("bfloat16", 4096, 4096): _QO_TIERS,  # q/o
     ("bfloat16", 4096, 12288): _DOWN_TIERS,  # down
     ("bfloat16", 6144, 4096): (SmallMConfig(16, _SWAP_DECODE), SmallMConfig(256, _DECODE)),  # q, k, v stacked
+    ("bfloat16", 24576, 4096): (SmallMConfig(16, MatmulConfig(16, 64, 128, num_warps=4, num_stages=8, swap_ab=True)), SmallMConfig(128, MatmulConfig(64, 128, 64, num_warps=4, num_stages=8))),  # gate_up
 }
 
 # The interpreter runs every program in Python: small tiles keep CPU tests fast. Still fixed.
