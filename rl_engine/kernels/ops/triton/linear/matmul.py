@@ -118,8 +118,8 @@ GPU_CONFIG_OVERRIDES: dict[tuple[str, int, int], MatmulConfig] = {}
 _DECODE = MatmulConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=8, persistent=True)
 _DECODE_NARROW = dataclasses.replace(_DECODE, block_n=32)  # N = 1024: 32 programs instead of 8
 _DECODE_WIDE_K = MatmulConfig(64, 64, 128, num_warps=4, num_stages=6)
-# M <= 16 (H100 sweep, every candidate bit-equal to M = 4096): swapped tiles, 16 activation rows against 128 (64 for
-# down's longer K) weight rows, read q/o at 77%, down at 92% and qkv at 85% of copy, against 67 / 74 / 60% unswapped.
+# M <= 16 (H100 sweeps, every candidate bit-equal to M = 4096): swapped tiles, 16 activation rows against 128 (64 for
+# down and gate_up) weight rows; docs/kernels.md gives the rates.
 _SWAP_DECODE = MatmulConfig(16, 128, 128, num_warps=4, num_stages=6, swap_ab=True)
 _SWAP_DECODE_NARROW = MatmulConfig(16, 64, 128, num_warps=4, num_stages=8, swap_ab=True)
 _QO_TIERS = (SmallMConfig(16, _SWAP_DECODE), SmallMConfig(128, _DECODE_WIDE_K), SmallMConfig(256, _DECODE))
@@ -133,11 +133,11 @@ SMALL_M_OVERRIDES: dict[tuple[str, int, int], SmallMConfig | tuple[SmallMConfig,
     ("bfloat16", 1024, 4096): SmallMConfig(256, _DECODE_NARROW),  # Qwen3-8B k/v
     # Wide N already gives every SM tiles; from M = 256 the large tiles' operand reuse wins there.
     ("bfloat16", 12288, 4096): SmallMConfig(128, _DECODE),  # gate/up
+    ("bfloat16", 24576, 4096): (SmallMConfig(16, _SWAP_DECODE_NARROW), SmallMConfig(128, _DECODE)),  # gate and up
     ("bfloat16", 151936, 4096): SmallMConfig(128, MatmulConfig(64, 128, 128, num_warps=4, num_stages=4)),  # lm_head
     ("bfloat16", 4096, 4096): _QO_TIERS,  # q/o
     ("bfloat16", 4096, 12288): _DOWN_TIERS,  # down
     ("bfloat16", 6144, 4096): (SmallMConfig(16, _SWAP_DECODE), SmallMConfig(256, _DECODE)),  # q, k, v stacked
-    ("bfloat16", 24576, 4096): (SmallMConfig(16, MatmulConfig(16, 64, 128, num_warps=4, num_stages=8, swap_ab=True)), SmallMConfig(128, MatmulConfig(64, 128, 64, num_warps=4, num_stages=8))),  # gate_up
 }
 
 # The interpreter runs every program in Python: small tiles keep CPU tests fast. Still fixed.
