@@ -32,7 +32,8 @@ transformers' greedy `generate` returns none. cell_s: the whole cell's wall time
 Launch overhead: the last few decode steps run under torch.profiler; GPU time per step = the union of
 the kernel (and copy) intervals it recorded (kernels overlap under programmatic dependent launch);
 overhead = 1 - GPU time / wall time of an unprofiled step (median): the share of the step in which the
-GPU idles on the host. The top kernels are kept
+GPU idles on the host. The top kernels are kept, each with its share of that union (an instant credited to the
+earliest-started kernel then running: a PDL dependent's wait is its predecessor's time)
 (for transformers they name the SDPA backend that ran: flash, cuDNN or memory-efficient).
 Byte floor per cell: a decode step reads every weight but the embedding table (B rows of it) and the batch's
 cached keys and values (at the mean context of the decode steps); floor = those bytes / the device copy bandwidth
@@ -126,11 +127,12 @@ class _Probe:
         spans = []
         for e in self.prof.events():
             if on_gpu and e.device_type == DeviceType.CUDA:
-                per_name[e.name] += e.time_range.elapsed_us()
-                spans.append((e.time_range.start, e.time_range.end))
+                spans.append((e.time_range.start, e.time_range.end, e.name))
             elif not on_gpu and e.device_type == DeviceType.CPU:
                 per_name[e.name] += e.self_cpu_time_total
-        total_ms = (busy_us(spans) if on_gpu else sum(per_name.values())) / 1e3 / self.steps
+        if on_gpu:
+            per_name = busy_by_name(spans)
+        total_ms = sum(per_name.values()) / 1e3 / self.steps
         top = sorted(per_name.items(), key=lambda kv: -kv[1])[:6]
         attention = sorted(n[:120] for n in per_name if any(k in n.lower() for k in ATTENTION_NAMES))
         return {"gpu_ms_per_step": total_ms if on_gpu and total_ms > 0 else None,
@@ -138,16 +140,17 @@ class _Probe:
                 "attention_kernels": attention}
 
 
-def busy_us(spans: list[tuple[float, float]]) -> float:
-    """The length of the union of kernel intervals (us): time in which some kernel ran. Kernels overlap under
-    programmatic dependent launch (a dependent starts, and waits, while the kernel before it runs), so their
-    durations' sum would count those stretches twice."""
-    busy, end = 0.0, float("-inf")
-    for start, stop in sorted(spans):
+def busy_by_name(spans: list[tuple[float, float, str]]) -> dict[str, float]:
+    """Each kernel name's share (us) of the union of kernel intervals (start, end, name): time in which some kernel
+    ran, each instant credited to the earliest-started kernel then running. Under programmatic dependent launch a
+    dependent starts, and waits, while the kernel before it runs: its own duration would count that wait (and the
+    durations' sum would count those stretches twice)."""
+    busy, end = defaultdict(float), float("-inf")
+    for start, stop, name in sorted(spans):
         if stop > end:
-            busy += stop - max(start, end)
+            busy[name] += stop - max(start, end)
             end = stop
-    return busy
+    return dict(busy)
 
 
 def _sdpa_backend(kernels: list[str]) -> str:

@@ -37,8 +37,10 @@ def test_every_peer_gets_a_full_row_and_merge_keeps_the_rest(rollout, tmp_path):
         assert row["overlapped_steps"] == (0 if peer == "triton_bf16_eager" else 1)  # 3 new tokens: 2 decode steps
         package = ".pytorch." if peer == "torch_bf16" else ".triton."
         assert row["ran"] and all(package in r for r in row["ran"]), row["ran"]  # the profile's ops ran
-        # the rollout model's weights are packed: the Triton profile runs q/k/v and gate/up as one product each
-        stacked = [] if peer == "torch_bf16" else ["gate_proj+up_proj", "q_proj+k_proj+v_proj"]
+        # the rollout model's weights are packed: the Triton profile runs q/k/v and gate/up as one product each, and
+        # q's and k's heads through one norm and one RoPE launch
+        stacked = [] if peer == "torch_bf16" else ["gate_proj+up_proj", "q_norm+k_norm", "q_proj+k_proj+v_proj",
+                                                   "q_rope+k_rope"]
         assert row["stacked_products"] == stacked, row["stacked_products"]
         assert bool(row["cuda_graphs"]) == (peer != "triton_bf16_eager"), row["cuda_graphs"]  # (captured on a GPU)
     assert rows[("hf_static", 2, 6)]["cache"] == "static" and rows[("hf_dynamic", 2, 6)]["cache"] == "dynamic"
@@ -108,6 +110,8 @@ def test_gpu_probe_summary_on_recorded_kernels(rollout):
     probe.prof = Prof()
     got = probe.summary()
     assert got["gpu_ms_per_step"] == 1.75  # busy 0-2.5 ms and 3-4 ms over 2 steps; the durations' sum would say 2.0
+    # the dependent's wait inside the first gemm is the first gemm's time: 2.5 ms of gemm, 1 ms of fmha, over 2 steps
+    assert [k["ms_per_step"] for k in got["top_kernels"]] == [1.25, 0.5]
     assert [k["name"] for k in got["top_kernels"]] == ["sm90_xmma_gemm_bf16",
                                                        "fmha_cutlassF_bf16_aligned_64x128_rf_sm80"]
     assert rollout._sdpa_backend(got["attention_kernels"]) == "efficient"
