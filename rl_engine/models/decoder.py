@@ -88,6 +88,18 @@ class KvCache:
     block_table = None  # contiguous: no page table (the cache protocol's, module docstring)
 
 
+def _consecutive(ws: list[torch.Tensor]) -> bool:
+    """Whether the tensors are contiguous, of one dtype, and lie one after another in one buffer (the views
+    `pack_projections` makes)."""
+    first, offset = ws[0], ws[0].storage_offset()
+    for w in ws:
+        if (not w.is_contiguous() or w.dtype != first.dtype or w.storage_offset() != offset
+                or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return False
+        offset += w.numel()
+    return True
+
+
 class DecoderModel:
     def __init__(self, config: ModelConfig, weights: dict, ops: ProfileOps):
         self.config = config
@@ -173,13 +185,8 @@ class DecoderModel:
             return None  # cuBLAS picks its kernel by N: a stacked product's bits are not the parts'
         if torch.is_grad_enabled() and any(w.requires_grad for w in ws):
             return None  # each parameter gets its own gradient
-        offset = first.storage_offset()
-        for w in ws:
-            if (w.dim() != 2 or w.stride() != (k, 1) or w.dtype != first.dtype or w.device != first.device
-                    or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-                    or w.storage_offset() != offset):
-                return None
-            offset += w.shape[0] * k
+        if any(w.dim() != 2 or w.stride() != (k, 1) for w in ws) or not _consecutive(ws):
+            return None
         rows = [w.shape[0] for w in ws]
         if not fused_keeps_bits(first.dtype, rows, k):
             return None
@@ -200,9 +207,7 @@ class DecoderModel:
                 or k.storage_offset() != q.storage_offset() + q.shape[2] * d):
             return None, None
         wq, wk = self._weight("q_norm", layer), self._weight("k_norm", layer)
-        if (wq.untyped_storage().data_ptr() != wk.untyped_storage().data_ptr() or wq.dim() != 1 or wk.dim() != 1
-                or wq.stride() != (1,) or wk.stride() != (1,) or wq.dtype != wk.dtype
-                or wk.storage_offset() != wq.storage_offset() + wq.shape[0]):
+        if wq.shape != (d,) or wk.shape != (d,) or not _consecutive([wq, wk]):
             return None, None
         b, s, hq, _ = q.shape
         qk = q.as_strided((b, s, hq + k.shape[2], d), (*q.stride()[:2], d, 1))
