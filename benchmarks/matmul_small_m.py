@@ -84,32 +84,39 @@ TIMINGS = {
 }
 
 
-def candidates(quick: bool, block_ks: list[int] | None = None, swap_ab: bool = False) -> list[MatmulConfig]:
-    """Small-M candidates in the large config's instruction family (BLOCK_M 64, 4 warps). BLOCK_K: the large
-    config's, or each of `block_ks` (a multiple of it is the same k16 wgmma chain, longer per step: whether the
-    bits hold is what the sweep's bit check shows) with as many stages as fit shared memory (at most 8).
-    swap_ab: swapped tiles instead (MatmulConfig.swap_ab: 8 or 16 activation rows against 64 or 128 weight rows)."""
+def candidates(quick: bool, block_ks: list[int] | None = None, swap_ab: bool = False,
+               prefetches: list[int] | None = None, block_ms: list[int] | None = None) -> list[MatmulConfig]:
+    """Small-M candidates in the large config's instruction family (BLOCK_M 64, 4 warps; `block_ms`: each of these
+    BLOCK_M, a warpgroup of 4 warps per 64 rows). BLOCK_K: the large config's, or each of `block_ks` (a multiple of
+    it is the same k16 wgmma chain, longer per step: whether the bits hold is what the sweep's bit check shows) with
+    as many stages as fit shared memory (at most 8). swap_ab: swapped tiles instead (MatmulConfig.swap_ab: 8 or 16
+    activation rows against 64 or 128 weight rows). prefetches: each candidate at each of these l2_prefetch."""
     stages = lambda rows, bn, bk: min(8, SMEM_BYTES // ((rows + bn) * bk * DTYPE.itemsize))  # noqa: E731
+    pfs = prefetches or [MatmulConfig(0, 0, 0).l2_prefetch]
     if swap_ab:
         return [MatmulConfig(bm, bn, bk, group_m=8, num_warps=4, num_stages=stages(bm, bn, bk), persistent=p,
-                             swap_ab=True)
+                             swap_ab=True, l2_prefetch=pf)
                 for bk in block_ks or [matmul_config(DTYPE, 4096, 4096).block_k] for bm in (8, 16) for bn in (64, 128)
-                for p in (True, False)]
+                for p in (True, False) for pf in pfs]
     if not block_ks:
         block_k = matmul_config(DTYPE, 4096, 4096).block_k
-        grid = [(bn, block_k, st, p) for bn in (32, 64, 128) for st in (4, 6, 8) for p in (True, False)]
+        grid = [(bm, bn, block_k, st, p) for bm in block_ms or [64] for bn in (32, 64, 128) for st in (4, 6, 8)
+                for p in (True, False)]
         if quick:
-            grid = [g for g in grid if g[2] == 6]
+            grid = [g for g in grid if g[3] == 6]
     else:
-        grid = [(bn, bk, stages(64, bn, bk), p) for bk in block_ks for bn in (32, 64, 128) for p in (True, False)]
-    return [MatmulConfig(64, bn, bk, group_m=8, num_warps=4, num_stages=st, persistent=p)
-            for bn, bk, st, p in grid if st >= 2]
+        grid = [(bm, bn, bk, stages(bm, bn, bk), p) for bm in block_ms or [64] for bk in block_ks
+                for bn in (32, 64, 128) for p in (True, False)]
+    return [MatmulConfig(bm, bn, bk, group_m=8, num_warps=4 * bm // 64, num_stages=st, persistent=p, l2_prefetch=pf)
+            for bm, bn, bk, st, p in grid if st >= 2 and (bm + bn) * bk * DTYPE.itemsize * st <= SMEM_BYTES
+            for pf in pfs]
 
 
 def label(cfg: MatmulConfig) -> str:
     grid = "persistent" if cfg.persistent else "one-tile"
     swap = " swap_ab" if cfg.swap_ab else ""
-    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} {grid}{swap}"
+    pf = f" l2 {cfg.l2_prefetch}" if cfg.l2_prefetch != MatmulConfig(0, 0, 0).l2_prefetch else ""
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} {grid}{swap}{pf}"
 
 
 def source(cfg: MatmulConfig) -> str:
@@ -217,6 +224,20 @@ def recommend(rows: list[dict]) -> dict:
 
 
 NARROW_MAX_M = 16  # --apply: M = 1's winner gets a tier of its own up to this M
+SOURCE_LINE_CHARS = 120  # ruff's line length: --apply writes a longer entry one tier a line
+
+
+def _without_entry(lines: list[str], key: str) -> list[str]:
+    """The table's lines less the entry for key: its line, and where that line opens a tuple, through its `),`."""
+    out, inside = [], False
+    for x in lines:
+        if x.strip().startswith(key):
+            inside = x.split("#")[0].rstrip().endswith("(")
+        elif inside:
+            inside = x.strip() != "),"
+        else:
+            out.append(x)
+    return out
 
 
 def apply_overrides(sweep: list[dict], timing: list[dict], path: str = MATMUL_SOURCE) -> list[str]:
@@ -256,10 +277,13 @@ def apply_overrides(sweep: list[dict], timing: list[dict], path: str = MATMUL_SO
         parts = [f"SmallMConfig({t.max_m}, {source(t.config)})" for t in merged]
         value = parts[0] if len(parts) == 1 else f"({', '.join(parts)})"
         key = f'("{name}", {n}, {k})'
-        line = f"    {key}: {value},  # {shape}"
-        kept = [x for x in block.split("\n") if not x.strip().startswith(key)]
-        block = "\n".join([*kept, line])
-        written.append(f"{line.strip()} ({', '.join(gains)} than the config dispatched now)")
+        entry = f"{key}: {value},  # {shape}"
+        lines = [f"    {entry}"]
+        if len(lines[0]) > SOURCE_LINE_CHARS:  # one tier a line
+            lines = ([f"    {key}: (  # {shape}", *[f"        {p}," for p in parts], "    ),"] if len(parts) > 1
+                     else [f"    {key}: (  # {shape}", f"        {value}", "    ),"])
+        block = "\n".join([*_without_entry(block.split("\n"), key), *lines])
+        written.append(f"{entry} ({', '.join(gains)} than the config dispatched now)")
     if written:
         with open(path, "w") as f:
             f.write(f"{head}SMALL_M_OVERRIDES: {block}\n}}\n{tail}")
@@ -321,7 +345,7 @@ def _asdict(cfg) -> dict | None:
 
 
 def main() -> int:
-    global SWEEP_UNTIL_S
+    global SWEEP_UNTIL_S, SWEEP_BATCH
     parser = arg_parser("small-M batch-invariant GEMM: bits vs M=4096, weight bandwidth, config sweep")
     parser.add_argument("--no-sweep", action="store_true", help="skip the candidate sweep")
     parser.add_argument("--shapes", type=lambda v: v.split(","), metavar="NAME,NAME",
@@ -331,6 +355,13 @@ def main() -> int:
                         help="sweep these BLOCK_K (stages fitted to shared memory) instead of the large config's")
     parser.add_argument("--swap-ab", action="store_true",
                         help="sweep swapped tiles (weight rows on the tensor core's 64-row side) instead")
+    parser.add_argument("--l2-prefetch", type=lambda v: [int(x) for x in v.split(",")], metavar="B,B",
+                        help="sweep each candidate at each of these bytes of L2 prefetch per weight row (capped at "
+                        "the row) instead of the default's")
+    parser.add_argument("--block-m", type=lambda v: [int(x) for x in v.split(",")], metavar="M,M",
+                        help="sweep these BLOCK_M (multiples of 64, 4 warps per 64) instead of 64 (unswapped tiles)")
+    parser.add_argument("--sweep-m", type=lambda v: [int(x) for x in v.split(",")], metavar="M,M",
+                        help=f"time sweep candidates at these M (default {','.join(map(str, SWEEP_BATCH))})")
     parser.add_argument("--sweep-until-s", type=float, default=SWEEP_UNTIL_S,
                         help=f"start no sweep candidate after this many seconds (default {SWEEP_UNTIL_S})")
     parser.add_argument("--apply", action="store_true",
@@ -338,6 +369,12 @@ def main() -> int:
                         f"where it beats the config dispatched now by {SWEEP_MARGIN_PCT}%%")
     args = parse_gpu_args(parser)
     SWEEP_UNTIL_S = args.sweep_until_s
+    SWEEP_BATCH = args.sweep_m or SWEEP_BATCH
+    bad = [v for v in args.block_m or [] if v % 64] + [v for v in args.l2_prefetch or [] if v <= 0 or v % 16]
+    bad += [v for v in args.sweep_m or [] if not 1 <= v <= max(BATCH)]
+    if bad:
+        parser.error(f"--block-m (multiples of 64), --l2-prefetch (positive multiples of 16), --sweep-m (1.."
+                     f"{max(BATCH)}): got {', '.join(map(str, bad))}")
     unknown = sorted(set(args.shapes or []) - set(SHAPES))
     if unknown:
         parser.error(f"--shapes: unknown {', '.join(unknown)}; known: {', '.join(SHAPES)}")
@@ -346,7 +383,8 @@ def main() -> int:
     copy_gbps = copy.get("gb_per_s")
     print(f"copy ceiling {copy_gbps} GB/s", flush=True)
     shapes = args.shapes or (QUICK_SHAPES if args.quick else list(SHAPES))
-    configs = [] if args.no_sweep else candidates(args.quick, args.block_k, args.swap_ab)
+    configs = [] if args.no_sweep else candidates(args.quick, args.block_k, args.swap_ab, args.l2_prefetch,
+                                                  args.block_m)
     bits, sweep, timing = [], [], []
     for name in shapes:
         print(f"{name}: N={SHAPES[name][0]} K={SHAPES[name][1]}", flush=True)

@@ -7,8 +7,8 @@ import ast
 import shutil
 
 
-def _row(shape, ms, bits=0, block_k=256, persistent=True, ms_m128=None):
-    return {"shape": shape, "bits_differ": bits, "ms_m1": ms, "ms_m128": ms if ms_m128 is None else ms_m128,
+def _row(shape, ms, bits=0, block_k=256, persistent=True, ms_m128=None, **fields):
+    return {**fields, "shape": shape, "bits_differ": bits, "ms_m1": ms, "ms_m128": ms if ms_m128 is None else ms_m128,
             "block_m": 64, "block_n": 64,
             "block_k": block_k, "group_m": 8, "num_warps": 4, "num_stages": 3, "tma": True, "persistent": persistent}
 
@@ -62,3 +62,21 @@ def test_apply_writes_a_swapped_winner_with_its_flag(load_benchmark, tmp_path):
     rest = [f"SmallMConfig({t.max_m}, {mod.source(t.config)})" for t in mod.table_tiers(mod.DTYPE, 4096, 4096)[1:]]
     assert len(rest) == 2 and all(r in line for r in rest), line
     assert [c.swap_ab for c in mod.candidates(False, [64, 128], swap_ab=True)] == [True] * 16
+
+
+def test_apply_writes_a_long_entry_one_tier_a_line_and_replaces_it_again(load_benchmark, tmp_path):
+    """An entry past ruff's 120 characters is written a tier a line; a second --apply replaces all of its lines."""
+    mod = load_benchmark("matmul_small_m")
+    path = tmp_path / "matmul.py"
+    shutil.copy(mod.MATMUL_SOURCE, path)
+    timing = [{"shape": "gate_up", "M": m, "ours_ms": 0.05} for m in mod.SWEEP_BATCH]
+    for l2 in (1 << 16, 1 << 17):
+        mod.apply_overrides([_row("gate_up", 0.03, block_k=128, ms_m128=0.09, l2_prefetch=l2, swap_ab=True)], timing,
+                            str(path))
+        text = path.read_text()
+        assert max(len(x) for x in text.splitlines()) <= mod.SOURCE_LINE_CHARS
+        namespace = {}
+        exec(compile(ast.parse(text), str(path), "exec"), namespace)
+        tiers = namespace["SMALL_M_OVERRIDES"][("bfloat16", 24576, 4096)]
+        assert [t.max_m for t in tiers] == [mod.NARROW_MAX_M, 128] and tiers[0].config.l2_prefetch == l2
+        assert text.count('("bfloat16", 24576, 4096)') == 1 and text.count("l2_prefetch=") == 1

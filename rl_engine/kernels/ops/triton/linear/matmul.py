@@ -86,6 +86,9 @@ class MatmulConfig:
     # the weight rows fill the tensor core's 64-row side and the few activation rows its narrow N side, instead of
     # padding M = 1 to 64 rows. Small-M tiers only, 16-bit on the GPU (check_same_reduction_order).
     swap_ab: bool = False
+    # Bytes of each weight row of a decode launch's first tile prefetched into L2 while the kernel before it runs
+    # (PDL), capped at the row: the few programs of a narrow N then read the weight from L2. Scheduling only.
+    l2_prefetch: int = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,9 +154,10 @@ ONE_TILE_PER_PROGRAM = 1 << 30  # the stride between a non-persistent program's 
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CONTINUATION_STAGES = 1  # TMA launches that start from or hand on an fp32 partial (see _launch_tma)
-PREFETCH_ROW_BYTES = 1024  # a decode launch's L2 prefetch per weight row (a multiple of 16)
+PDL_MIN_ROW_BYTES = 1024  # decode launches use PDL and the L2 prefetch where a weight row holds this much
+# $2 bytes (a multiple of 16; none where 0) from address $1 into L2
 _PREFETCH_ASM = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; "
-                             f"@p cp.async.bulk.prefetch.L2.global [$1], {PREFETCH_ROW_BYTES}; mov.u32 $0, 0; }}")
+                             "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -330,15 +334,15 @@ def _add_residual(c, res_ptr, rows, cols, M, N):
 
 
 @triton.jit
-def _prefetch_rows_l2(ptrs, mask):
-    """cp.async.bulk.prefetch.L2 of PREFETCH_ROW_BYTES from each pointer (16-byte aligned) where mask holds."""
-    tl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False,
+def _prefetch_rows_l2(ptrs, mask, nbytes):
+    """cp.async.bulk.prefetch.L2 of nbytes (a multiple of 16) from each pointer (16-byte aligned) where mask holds."""
+    tl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [ptrs, tl.where(mask, nbytes, 0)], dtype=tl.int32, is_pure=False,
                               pack=1)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_tma_kernel(
-    a_desc, b_desc, c_desc, M, N, K, init_ptr, out32_ptr, w_ptr, res_ptr,
+    a_desc, b_desc, c_desc, M, N, K, init_ptr, out32_ptr, w_ptr, res_ptr, prefetch_bytes,
     A_TRANS: tl.constexpr, B_TRANS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -364,7 +368,7 @@ def _matmul_tma_kernel(
         # is the stored [N, K] weight), lets the kernel after it launch in turn (its programs wait for this one's
         # end the same way), then waits for the kernel before to end before touching a or c.
         rows = _tile_coords(start, num_pid_m, num_pid_n, GROUP_M)[1] * BLOCK_N + tl.arange(0, BLOCK_N)
-        _prefetch_rows_l2(w_ptr + rows.to(tl.int64) * K, rows < N)
+        _prefetch_rows_l2(w_ptr + rows.to(tl.int64) * K, rows < N, prefetch_bytes)
         gdc_launch_dependents()
         gdc_wait()
     for tile_id in tl.range(start, num_tiles, NUM_PROGRAMS, flatten=True):
@@ -489,8 +493,9 @@ class _Plan:
     small: _Plan | None = None
     small_max_m: int = 0
     # A small-M tier's launches (decode): programmatic dependent launch with an L2 prefetch of the weight
-    # (_matmul_tma_kernel's PDL), where each stored weight row holds PREFETCH_ROW_BYTES. Scheduling only: no bit.
+    # (_matmul_tma_kernel's PDL), where each stored weight row holds PDL_MIN_ROW_BYTES. Scheduling only: no bit.
     pdl: bool = False
+    prefetch_bytes: int = 0  # of each weight row: the config's l2_prefetch capped at the row, a multiple of 16
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -537,7 +542,8 @@ def _plan(dtype: torch.dtype, n: int, k: int, device_index: int, config: MatmulC
             check_same_reduction_order(plan.config, rule.config, dtype, gpu=not plan.interpreting)
             outer.small, outer.small_max_m = _make_plan(dtype, n, k, device_index, rule.config), rule.max_m
             outer = outer.small
-            outer.pdl = outer.tma and not outer.interpreting and k * dtype.itemsize >= PREFETCH_ROW_BYTES
+            outer.pdl = outer.tma and not outer.interpreting and k * dtype.itemsize >= PDL_MIN_ROW_BYTES
+            outer.prefetch_bytes = min(rule.config.l2_prefetch, k * dtype.itemsize) // 16 * 16
         _plans[key] = plan
     return plan
 
@@ -560,8 +566,8 @@ def _launch_tma(plan: _Plan, grid: int, descriptors: tuple, m: int, n: int, k: i
     cfg = plan.config
     # Every kernel parameter, positionally and in order, constexprs included (the launcher skips them).
     pdl = plan.pdl and b_trans and init is None and out32 is None
-    args = (*descriptors, m, n, k, init, out32, weight if pdl else None, residual, a_trans, b_trans, *plan.constexprs,
-            init is not None, out32 is not None, pdl, cfg.swap_ab, residual is not None)
+    args = (*descriptors, m, n, k, init, out32, weight if pdl else None, residual, plan.prefetch_bytes, a_trans,
+            b_trans, *plan.constexprs, init is not None, out32 is not None, pdl, cfg.swap_ab, residual is not None)
     # A continuation moves an fp32 tile through shared memory (sm90 check: 131 KB at one stage, over the
     # H200's 227 KB at two). Pipelining depth changes no bit: the same dots in the same order.
     stages = cfg.num_stages if init is None and out32 is None else CONTINUATION_STAGES
