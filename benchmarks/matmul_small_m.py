@@ -22,6 +22,7 @@ At M = 256 the product is compute-bound on an H200 (256 flop per weight byte is 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -35,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from common import arg_parser, bench_ms, copy_ceiling, measure, parse_gpu_args, print_table, save_plot, write_json  # noqa: E402,I001
 from matmul import gpu_ms, weight_copies  # noqa: E402  (benchmarks/matmul.py: graph replay over weight copies)
 
+import rl_engine.kernels.ops.triton.linear.matmul as table  # noqa: E402
 from rl_engine.kernels.ops.triton.linear.matmul import (  # noqa: E402
     MatmulConfig,
     SmallMConfig,
@@ -85,19 +87,18 @@ TIMINGS = {
 
 
 def candidates(quick: bool, block_ks: list[int] | None = None, swap_ab: bool = False,
-               prefetches: list[int] | None = None, block_ms: list[int] | None = None) -> list[MatmulConfig]:
+               block_ms: list[int] | None = None) -> list[MatmulConfig]:
     """Small-M candidates in the large config's instruction family (BLOCK_M 64, 4 warps; `block_ms`: each of these
     BLOCK_M, a warpgroup of 4 warps per 64 rows). BLOCK_K: the large config's, or each of `block_ks` (a multiple of
     it is the same k16 wgmma chain, longer per step: whether the bits hold is what the sweep's bit check shows) with
     as many stages as fit shared memory (at most 8). swap_ab: swapped tiles instead (MatmulConfig.swap_ab: 8 or 16
-    activation rows against 64 or 128 weight rows). prefetches: each candidate at each of these l2_prefetch."""
+    activation rows against 64 or 128 weight rows)."""
     stages = lambda rows, bn, bk: min(8, SMEM_BYTES // ((rows + bn) * bk * DTYPE.itemsize))  # noqa: E731
-    pfs = prefetches or [MatmulConfig(0, 0, 0).l2_prefetch]
     if swap_ab:
         return [MatmulConfig(bm, bn, bk, group_m=8, num_warps=4, num_stages=stages(bm, bn, bk), persistent=p,
-                             swap_ab=True, l2_prefetch=pf)
+                             swap_ab=True)
                 for bk in block_ks or [matmul_config(DTYPE, 4096, 4096).block_k] for bm in (8, 16) for bn in (64, 128)
-                for p in (True, False) for pf in pfs]
+                for p in (True, False)]
     if not block_ks:
         block_k = matmul_config(DTYPE, 4096, 4096).block_k
         grid = [(bm, bn, block_k, st, p) for bm in block_ms or [64] for bn in (32, 64, 128) for st in (4, 6, 8)
@@ -107,16 +108,14 @@ def candidates(quick: bool, block_ks: list[int] | None = None, swap_ab: bool = F
     else:
         grid = [(bm, bn, bk, stages(bm, bn, bk), p) for bm in block_ms or [64] for bk in block_ks
                 for bn in (32, 64, 128) for p in (True, False)]
-    return [MatmulConfig(bm, bn, bk, group_m=8, num_warps=4 * bm // 64, num_stages=st, persistent=p, l2_prefetch=pf)
-            for bm, bn, bk, st, p in grid if st >= 2 and (bm + bn) * bk * DTYPE.itemsize * st <= SMEM_BYTES
-            for pf in pfs]
+    return [MatmulConfig(bm, bn, bk, group_m=8, num_warps=4 * bm // 64, num_stages=st, persistent=p)
+            for bm, bn, bk, st, p in grid if st >= 2 and (bm + bn) * bk * DTYPE.itemsize * st <= SMEM_BYTES]
 
 
 def label(cfg: MatmulConfig) -> str:
     grid = "persistent" if cfg.persistent else "one-tile"
     swap = " swap_ab" if cfg.swap_ab else ""
-    pf = f" l2 {cfg.l2_prefetch}" if cfg.l2_prefetch != MatmulConfig(0, 0, 0).l2_prefetch else ""
-    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} {grid}{swap}{pf}"
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} {grid}{swap}"
 
 
 def source(cfg: MatmulConfig) -> str:
@@ -163,6 +162,22 @@ def graph_ms(mm, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
     return gpu_ms(mm, x, weights, rep=GRAPH_REP_MS)
 
 
+@contextlib.contextmanager
+def dispatching(cfg: MatmulConfig, n: int, k: int):
+    """The table's dispatch at (N, K) with cfg as its only small-M tier (M <= max(BATCH)): a candidate is timed as the
+    table would launch it (a decode tier's PDL and L2 prefetch; `config=` would launch it as a plain product, which
+    measured up to 12% apart on an H100)."""
+    key, saved = (str(DTYPE).removeprefix("torch."), n, k), dict(table.SMALL_M_OVERRIDES)
+    table.SMALL_M_OVERRIDES[key] = SmallMConfig(max(BATCH), cfg)
+    table._plans.clear()
+    try:
+        yield
+    finally:
+        table.SMALL_M_OVERRIDES.clear()
+        table.SMALL_M_OVERRIDES.update(saved)
+        table._plans.clear()
+
+
 def sweep_shape(name, a, b, weights, full, n, k, configs, copy_gbps) -> list[dict]:
     rows = []
     for cfg in configs:
@@ -172,14 +187,14 @@ def sweep_shape(name, a, b, weights, full, n, k, configs, copy_gbps) -> list[dic
             continue
 
         def run(cfg=cfg):
-            mm = lambda x, y: batch_invariant_mm(x, y, config=cfg)  # noqa: E731
-            differ = check_rows(mm, a, b, full, SWEEP_BATCH)
-            row = {"bits_differ": sum(differ.values())}
-            for m in SWEEP_BATCH:
-                x = a[:m].clone()
-                row[f"ms_m{m}"] = graph_ms(mm, x, weights)
-                if copy_gbps:
-                    row[f"pct_copy_m{m}"] = 100 * weight_gbps(n, k, row[f"ms_m{m}"]) / copy_gbps
+            with dispatching(cfg, n, k):
+                differ = check_rows(batch_invariant_mm, a, b, full, SWEEP_BATCH)
+                row = {"bits_differ": sum(differ.values())}
+                for m in SWEEP_BATCH:
+                    x = a[:m].clone()
+                    row[f"ms_m{m}"] = graph_ms(batch_invariant_mm, x, weights)
+                    if copy_gbps:
+                        row[f"pct_copy_m{m}"] = 100 * weight_gbps(n, k, row[f"ms_m{m}"]) / copy_gbps
             return row
 
         row = {"shape": name, "config": label(cfg), **dataclasses.asdict(cfg), **measure(f"{name} {label(cfg)}", run)}
@@ -228,13 +243,12 @@ SOURCE_LINE_CHARS = 120  # ruff's line length: --apply writes a longer entry one
 
 
 def _without_entry(lines: list[str], key: str) -> list[str]:
-    """The table's lines less the entry for key: its line, and where that line opens a tuple, through its `),`."""
-    out, inside = [], False
+    """The table's lines less the entry for key: from its first line until its parentheses close."""
+    out, depth = [], 0
     for x in lines:
-        if x.strip().startswith(key):
-            inside = x.split("#")[0].rstrip().endswith("(")
-        elif inside:
-            inside = x.strip() != "),"
+        code = x.split("#")[0]
+        if depth or code.strip().startswith(key):
+            depth += code.count("(") - code.count(")")
         else:
             out.append(x)
     return out
@@ -242,9 +256,10 @@ def _without_entry(lines: list[str], key: str) -> list[str]:
 
 def apply_overrides(sweep: list[dict], timing: list[dict], path: str = MATMUL_SOURCE) -> list[str]:
     """--apply: per swept shape, the table's tiers (matmul.table_tiers, the first split at NARROW_MAX_M so that M = 1
-    has its own) with each swept M's tier replaced by the fastest persistent candidate with equal bits, where it
-    beats the config dispatched now at that M by SWEEP_MARGIN_PCT; written into matmul.py's SMALL_M_OVERRIDES
-    (replacing the shape's line, else added), adjacent tiers of one config merged. Returns the lines written."""
+    has its own, and split so that each swept M ends a tier; a swept M past them gets one) with each swept M's tier
+    replaced by the fastest persistent candidate with equal bits, where it beats the config dispatched now at that M
+    by SWEEP_MARGIN_PCT; written into matmul.py's SMALL_M_OVERRIDES (replacing the shape's entry, else added),
+    adjacent tiers of one config merged. Returns the entries written."""
     with open(path) as f:
         text = f.read()
     head, rest = text.split("SMALL_M_OVERRIDES: ", 1)
@@ -259,6 +274,13 @@ def apply_overrides(sweep: list[dict], timing: list[dict], path: str = MATMUL_SO
             continue  # no small-M config at this shape: nothing to tune
         if tiers[0].max_m > NARROW_MAX_M:
             tiers.insert(0, SmallMConfig(NARROW_MAX_M, tiers[0].config))
+        large = table.GPU_CONFIG_OVERRIDES.get((name, n, k), table.GPU_CONFIGS[name])  # the GPU's, also off one
+        for m in sorted(SWEEP_BATCH):  # each swept M ends a tier: winners at two Ms of one tier split it
+            i = next((i for i, t in enumerate(tiers) if m <= t.max_m), None)
+            if i is None:
+                tiers.append(SmallMConfig(m, large))  # past the tiers: the large config runs there now
+            elif m < tiers[i].max_m and any(m < m2 <= tiers[i].max_m for m2 in SWEEP_BATCH):
+                tiers.insert(i, SmallMConfig(m, tiers[i].config))
         gains = []
         for m in SWEEP_BATCH:
             now = next((t["ours_ms"] for t in timing if t["shape"] == shape and t["M"] == m and t.get("ours_ms")), None)
@@ -273,6 +295,8 @@ def apply_overrides(sweep: list[dict], timing: list[dict], path: str = MATMUL_SO
                 gains.append(f"M = {m}: {gain:.0f}% faster")
         if not gains:
             continue
+        while tiers[-1].config == large:
+            tiers.pop()  # no small-M tier where the large config stays
         merged = [t for i, t in enumerate(tiers) if i + 1 == len(tiers) or tiers[i + 1].config != t.config]
         parts = [f"SmallMConfig({t.max_m}, {source(t.config)})" for t in merged]
         value = parts[0] if len(parts) == 1 else f"({', '.join(parts)})"
@@ -355,9 +379,6 @@ def main() -> int:
                         help="sweep these BLOCK_K (stages fitted to shared memory) instead of the large config's")
     parser.add_argument("--swap-ab", action="store_true",
                         help="sweep swapped tiles (weight rows on the tensor core's 64-row side) instead")
-    parser.add_argument("--l2-prefetch", type=lambda v: [int(x) for x in v.split(",")], metavar="B,B",
-                        help="sweep each candidate at each of these bytes of L2 prefetch per weight row (capped at "
-                        "the row) instead of the default's")
     parser.add_argument("--block-m", type=lambda v: [int(x) for x in v.split(",")], metavar="M,M",
                         help="sweep these BLOCK_M (multiples of 64, 4 warps per 64) instead of 64 (unswapped tiles)")
     parser.add_argument("--sweep-m", type=lambda v: [int(x) for x in v.split(",")], metavar="M,M",
@@ -370,11 +391,9 @@ def main() -> int:
     args = parse_gpu_args(parser)
     SWEEP_UNTIL_S = args.sweep_until_s
     SWEEP_BATCH = args.sweep_m or SWEEP_BATCH
-    bad = [v for v in args.block_m or [] if v % 64] + [v for v in args.l2_prefetch or [] if v <= 0 or v % 16]
-    bad += [v for v in args.sweep_m or [] if not 1 <= v <= max(BATCH)]
+    bad = [v for v in args.block_m or [] if v % 64] + [v for v in args.sweep_m or [] if not 1 <= v <= max(BATCH)]
     if bad:
-        parser.error(f"--block-m (multiples of 64), --l2-prefetch (positive multiples of 16), --sweep-m (1.."
-                     f"{max(BATCH)}): got {', '.join(map(str, bad))}")
+        parser.error(f"--block-m (multiples of 64), --sweep-m (1..{max(BATCH)}): got {', '.join(map(str, bad))}")
     unknown = sorted(set(args.shapes or []) - set(SHAPES))
     if unknown:
         parser.error(f"--shapes: unknown {', '.join(unknown)}; known: {', '.join(SHAPES)}")
@@ -383,8 +402,7 @@ def main() -> int:
     copy_gbps = copy.get("gb_per_s")
     print(f"copy ceiling {copy_gbps} GB/s", flush=True)
     shapes = args.shapes or (QUICK_SHAPES if args.quick else list(SHAPES))
-    configs = [] if args.no_sweep else candidates(args.quick, args.block_k, args.swap_ab, args.l2_prefetch,
-                                                  args.block_m)
+    configs = [] if args.no_sweep else candidates(args.quick, args.block_k, args.swap_ab, args.block_m)
     bits, sweep, timing = [], [], []
     for name in shapes:
         print(f"{name}: N={SHAPES[name][0]} K={SHAPES[name][1]}", flush=True)

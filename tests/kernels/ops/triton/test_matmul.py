@@ -19,7 +19,6 @@ from rl_engine.kernels.ops.triton.linear.matmul import (
     GPU_CONFIGS,
     INTERPRETER_CONFIG,
     MatmulConfig,
-    SmallMConfig,
     matmul_config,
 )
 from rl_engine.kernels.ops.triton.runtime import dot_fp32, register_autograd
@@ -398,7 +397,7 @@ def _check_direct_launch(launch_tma, plan, calls):
         launch_tma(plan, 3, descriptors, m, 40, 48, False, True)
     (via_triton, _, triton_args, options), (via_run, grid, direct_args, extra) = calls
     assert (via_triton, via_run) == ("triton", "direct")
-    expected = (*descriptors, 1, 40, 48, None, None, None, None, 0, False, True, *plan.constexprs,
+    expected = (*descriptors, 1, 40, 48, None, None, None, None, False, True, *plan.constexprs,
                 False, False, False, False, False)
     assert direct_args == expected, f"direct launch passed {direct_args}"
     assert grid == (3,) and extra == {"stream": 1234, "hooks": (None, None)}
@@ -420,26 +419,6 @@ def test_a_decode_plan_launches_with_pdl_and_hands_the_weight(fake_gpu_launch):
     init = torch.zeros(1, 40)
     module._launch_tma(plan, 3, ("a", "b", "c"), 1, 40, 48, False, True, init, weight=weight)
     assert calls[-1][2][8] is None and calls[-1][2][-3] is False and calls[-1][3]["launch_pdl"] is False
-
-
-def test_a_decode_tier_prefetches_its_l2_bytes_capped_at_the_weight_row(monkeypatch):
-    """Each small-M tier's plan prefetches its config's l2_prefetch bytes of a weight row, at most the row (K = 1024:
-    2048 bytes), in whole 16-byte units; the large plan prefetches nothing."""
-    from rl_engine.kernels.ops.triton.linear import matmul as module
-
-    large = MatmulConfig(64, 64, 64, num_warps=4, persistent=False)
-    swapped = MatmulConfig(16, 64, 64, num_warps=4, persistent=False, swap_ab=True, l2_prefetch=1 << 20)
-    tiers = (SmallMConfig(16, swapped), SmallMConfig(128, MatmulConfig(64, 32, 64, num_warps=4, persistent=False,
-                                                                       l2_prefetch=1000)))
-    monkeypatch.setattr(module, "interpreting", lambda: False)
-    monkeypatch.setattr(module, "matmul_config", lambda dtype, n, k: large)
-    monkeypatch.setattr(module, "small_m_tiers", lambda dtype, n, k: tiers)
-    monkeypatch.setattr(module, "_plans", {})
-    plan = module._plan(torch.bfloat16, 256, 1024, -1, None)
-    wide, narrow = plan.small, plan.small.small
-    assert (wide.config, narrow.config) == (tiers[1].config, swapped)
-    assert (plan.prefetch_bytes, wide.prefetch_bytes, narrow.prefetch_bytes) == (0, 992, 2048)
-    assert (plan.pdl, wide.pdl, narrow.pdl) == (False, True, True)
 
 
 def test_direct_launch_passes_what_triton_would(fake_gpu_launch):

@@ -86,9 +86,6 @@ class MatmulConfig:
     # the weight rows fill the tensor core's 64-row side and the few activation rows its narrow N side, instead of
     # padding M = 1 to 64 rows. Small-M tiers only, 16-bit on the GPU (check_same_reduction_order).
     swap_ab: bool = False
-    # Bytes of each weight row of a decode launch's first tile prefetched into L2 while the kernel before it runs
-    # (PDL), capped at the row: the few programs of a narrow N then read the weight from L2. Scheduling only.
-    l2_prefetch: int = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +122,9 @@ _DECODE_WIDE_K = MatmulConfig(64, 64, 128, num_warps=4, num_stages=6)
 # down and gate_up) weight rows; docs/kernels.md gives the rates.
 _SWAP_DECODE = MatmulConfig(16, 128, 128, num_warps=4, num_stages=6, swap_ab=True)
 _SWAP_DECODE_NARROW = MatmulConfig(16, 64, 128, num_warps=4, num_stages=8, swap_ab=True)
+# 128 < M <= 256 where N is wide enough: two warpgroups of 64 rows (the large config's wgmma) on 128-wide N tiles (H100
+# sweep: q/k/v 17%, gate_up 12% faster than their configs before at M = 256; slower below M = 256 for q/k/v).
+_DECODE_WIDE_M = MatmulConfig(128, 128, 64, num_warps=8, num_stages=6)
 _QO_TIERS = (SmallMConfig(16, _SWAP_DECODE), SmallMConfig(128, _DECODE_WIDE_K), SmallMConfig(256, _DECODE))
 _DOWN_TIERS = (SmallMConfig(16, _SWAP_DECODE_NARROW), SmallMConfig(128, _DECODE_WIDE_K), SmallMConfig(256, _DECODE))
 SMALL_M_CONFIGS: dict[str, SmallMConfig | tuple[SmallMConfig, ...] | None] = {
@@ -136,11 +136,13 @@ SMALL_M_OVERRIDES: dict[tuple[str, int, int], SmallMConfig | tuple[SmallMConfig,
     ("bfloat16", 1024, 4096): SmallMConfig(256, _DECODE_NARROW),  # Qwen3-8B k/v
     # Wide N already gives every SM tiles; from M = 256 the large tiles' operand reuse wins there.
     ("bfloat16", 12288, 4096): SmallMConfig(128, _DECODE),  # gate/up
-    ("bfloat16", 24576, 4096): (SmallMConfig(16, _SWAP_DECODE_NARROW), SmallMConfig(128, _DECODE)),  # gate and up
+    ("bfloat16", 24576, 4096): (SmallMConfig(16, _SWAP_DECODE_NARROW), SmallMConfig(128, _DECODE),
+                                SmallMConfig(256, _DECODE_WIDE_M)),  # gate and up
     ("bfloat16", 151936, 4096): SmallMConfig(128, MatmulConfig(64, 128, 128, num_warps=4, num_stages=4)),  # lm_head
     ("bfloat16", 4096, 4096): _QO_TIERS,  # q/o
     ("bfloat16", 4096, 12288): _DOWN_TIERS,  # down
-    ("bfloat16", 6144, 4096): (SmallMConfig(16, _SWAP_DECODE), SmallMConfig(256, _DECODE)),  # q, k, v stacked
+    ("bfloat16", 6144, 4096): (SmallMConfig(16, _SWAP_DECODE), SmallMConfig(128, _DECODE),
+                               SmallMConfig(256, _DECODE_WIDE_M)),  # q, k, v stacked
 }
 
 # The interpreter runs every program in Python: small tiles keep CPU tests fast. Still fixed.
@@ -154,10 +156,9 @@ ONE_TILE_PER_PROGRAM = 1 << 30  # the stride between a non-persistent program's 
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CONTINUATION_STAGES = 1  # TMA launches that start from or hand on an fp32 partial (see _launch_tma)
-PDL_MIN_ROW_BYTES = 1024  # decode launches use PDL and the L2 prefetch where a weight row holds this much
-# $2 bytes (a multiple of 16; none where 0) from address $1 into L2
+PREFETCH_ROW_BYTES = 1024  # a decode launch's L2 prefetch per weight row (a multiple of 16)
 _PREFETCH_ASM = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; "
-                             "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }")
+                             f"@p cp.async.bulk.prefetch.L2.global [$1], {PREFETCH_ROW_BYTES}; mov.u32 $0, 0; }}")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -334,15 +335,15 @@ def _add_residual(c, res_ptr, rows, cols, M, N):
 
 
 @triton.jit
-def _prefetch_rows_l2(ptrs, mask, nbytes):
-    """cp.async.bulk.prefetch.L2 of nbytes (a multiple of 16) from each pointer (16-byte aligned) where mask holds."""
-    tl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [ptrs, tl.where(mask, nbytes, 0)], dtype=tl.int32, is_pure=False,
+def _prefetch_rows_l2(ptrs, mask):
+    """cp.async.bulk.prefetch.L2 of PREFETCH_ROW_BYTES from each pointer (16-byte aligned) where mask holds."""
+    tl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False,
                               pack=1)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_tma_kernel(
-    a_desc, b_desc, c_desc, M, N, K, init_ptr, out32_ptr, w_ptr, res_ptr, prefetch_bytes,
+    a_desc, b_desc, c_desc, M, N, K, init_ptr, out32_ptr, w_ptr, res_ptr,
     A_TRANS: tl.constexpr, B_TRANS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -368,7 +369,7 @@ def _matmul_tma_kernel(
         # is the stored [N, K] weight), lets the kernel after it launch in turn (its programs wait for this one's
         # end the same way), then waits for the kernel before to end before touching a or c.
         rows = _tile_coords(start, num_pid_m, num_pid_n, GROUP_M)[1] * BLOCK_N + tl.arange(0, BLOCK_N)
-        _prefetch_rows_l2(w_ptr + rows.to(tl.int64) * K, rows < N, prefetch_bytes)
+        _prefetch_rows_l2(w_ptr + rows.to(tl.int64) * K, rows < N)
         gdc_launch_dependents()
         gdc_wait()
     for tile_id in tl.range(start, num_tiles, NUM_PROGRAMS, flatten=True):
@@ -493,9 +494,8 @@ class _Plan:
     small: _Plan | None = None
     small_max_m: int = 0
     # A small-M tier's launches (decode): programmatic dependent launch with an L2 prefetch of the weight
-    # (_matmul_tma_kernel's PDL), where each stored weight row holds PDL_MIN_ROW_BYTES. Scheduling only: no bit.
+    # (_matmul_tma_kernel's PDL), where each stored weight row holds PREFETCH_ROW_BYTES. Scheduling only: no bit.
     pdl: bool = False
-    prefetch_bytes: int = 0  # of each weight row: the config's l2_prefetch capped at the row, a multiple of 16
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -542,8 +542,7 @@ def _plan(dtype: torch.dtype, n: int, k: int, device_index: int, config: MatmulC
             check_same_reduction_order(plan.config, rule.config, dtype, gpu=not plan.interpreting)
             outer.small, outer.small_max_m = _make_plan(dtype, n, k, device_index, rule.config), rule.max_m
             outer = outer.small
-            outer.pdl = outer.tma and not outer.interpreting and k * dtype.itemsize >= PDL_MIN_ROW_BYTES
-            outer.prefetch_bytes = min(rule.config.l2_prefetch, k * dtype.itemsize) // 16 * 16
+            outer.pdl = outer.tma and not outer.interpreting and k * dtype.itemsize >= PREFETCH_ROW_BYTES
         _plans[key] = plan
     return plan
 
@@ -566,8 +565,8 @@ def _launch_tma(plan: _Plan, grid: int, descriptors: tuple, m: int, n: int, k: i
     cfg = plan.config
     # Every kernel parameter, positionally and in order, constexprs included (the launcher skips them).
     pdl = plan.pdl and b_trans and init is None and out32 is None
-    args = (*descriptors, m, n, k, init, out32, weight if pdl else None, residual, plan.prefetch_bytes, a_trans,
-            b_trans, *plan.constexprs, init is not None, out32 is not None, pdl, cfg.swap_ab, residual is not None)
+    args = (*descriptors, m, n, k, init, out32, weight if pdl else None, residual, a_trans, b_trans, *plan.constexprs,
+            init is not None, out32 is not None, pdl, cfg.swap_ab, residual is not None)
     # A continuation moves an fp32 tile through shared memory (sm90 check: 131 KB at one stage, over the
     # H200's 227 KB at two). Pipelining depth changes no bit: the same dots in the same order.
     stages = cfg.num_stages if init is None and out32 is None else CONTINUATION_STAGES
