@@ -186,7 +186,8 @@ def test_order_changing_gpu_configs_are_refused(change, match):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 4096), (6144, 4096), (12288, 4096), (4096, 12288)], ids=str)
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 4096), (6144, 4096), (12288, 4096), (24576, 4096), (4096, 12288)],
+                         ids=str)
 def test_gpu_small_m_rows_have_the_bits_of_m_4096(n, k):
     a = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
