@@ -7,8 +7,9 @@ copy bandwidth (measured in this run) at the Qwen3-8B shapes, while a row's bits
 same row in an M = 4096 product. Three parts, each shape in its own error guard:
 - bits: rows of products of M rows (every M in 1..256 for q/o; M in BATCH for the others, at two
   row offsets) against the same rows of the M = 4096 product, bitwise; the config each M ran is named;
-- sweep: candidate small-M configs (BLOCK_N x stages x persistent, BLOCK_M = BLOCK_K = 64, 4 warps)
-  timed at SWEEP_BATCH, each checked bitwise against the M = 4096 rows first; the best is printed as
+- sweep: candidate small-M configs (BLOCK_N x stages x persistent, BLOCK_M = BLOCK_K = 64, 4 warps; --block-m,
+  --block-k, --swap-ab widen it) timed at SWEEP_BATCH (--sweep-m) as the table would dispatch each (`dispatching`),
+  each checked bitwise against the M = 4096 rows first; the best is printed as
   the line to paste into matmul.py's SMALL_M_CONFIGS (per-shape SMALL_M_OVERRIDES where one beats it);
 - timing: at each M in BATCH, ours as dispatched (the small-M config up to its max_m), the large-M
   config forced (what ran before the small-M config), and cuBLAS (torch.matmul) at the same M.
