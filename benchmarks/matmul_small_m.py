@@ -275,7 +275,7 @@ def apply_overrides(sweep: list[dict], timing: list[dict], path: str = MATMUL_SO
             continue  # no small-M config at this shape: nothing to tune
         if tiers[0].max_m > NARROW_MAX_M:
             tiers.insert(0, SmallMConfig(NARROW_MAX_M, tiers[0].config))
-        large = table.GPU_CONFIG_OVERRIDES.get((name, n, k), table.GPU_CONFIGS[name])  # the GPU's, also off one
+        large = table.table_config(DTYPE, n, k)
         for m in sorted(SWEEP_BATCH):  # each swept M ends a tier: winners at two Ms of one tier split it
             i = next((i for i, t in enumerate(tiers) if m <= t.max_m), None)
             if i is None:
@@ -296,7 +296,7 @@ def apply_overrides(sweep: list[dict], timing: list[dict], path: str = MATMUL_SO
                 gains.append(f"M = {m}: {gain:.0f}% faster")
         if not gains:
             continue
-        while tiers[-1].config == large:
+        while tiers and tiers[-1].config == large:
             tiers.pop()  # no small-M tier where the large config stays
         merged = [t for i, t in enumerate(tiers) if i + 1 == len(tiers) or tiers[i + 1].config != t.config]
         parts = [f"SmallMConfig({t.max_m}, {source(t.config)})" for t in merged]
@@ -304,9 +304,8 @@ def apply_overrides(sweep: list[dict], timing: list[dict], path: str = MATMUL_SO
         key = f'("{name}", {n}, {k})'
         entry = f"{key}: {value},  # {shape}"
         lines = [f"    {entry}"]
-        if len(lines[0]) > SOURCE_LINE_CHARS:  # one tier a line
-            lines = ([f"    {key}: (  # {shape}", *[f"        {p}," for p in parts], "    ),"] if len(parts) > 1
-                     else [f"    {key}: (  # {shape}", f"        {value}", "    ),"])
+        if len(lines[0]) > SOURCE_LINE_CHARS:  # one tier a line, as a tuple of tiers
+            lines = [f"    {key}: (  # {shape}", *[f"        {p}," for p in parts], "    ),"]
         block = "\n".join([*_without_entry(block.split("\n"), key), *lines])
         written.append(f"{entry} ({', '.join(gains)} than the config dispatched now)")
     if written:

@@ -13,7 +13,6 @@ import torch
 
 from rl_engine.kernels.ops.triton.linear import matmul as module
 from rl_engine.kernels.ops.triton.linear.matmul import (
-    GPU_CONFIG_OVERRIDES,
     GPU_CONFIGS,
     INTERPRETER_CONFIG,
     INTERPRETER_SMALL_M,
@@ -26,6 +25,7 @@ from rl_engine.kernels.ops.triton.linear.matmul import (
     config_at,
     fused_keeps_bits,
     small_m_config,
+    table_config,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -158,7 +158,7 @@ SMALL_TABLE = [(name, None, None, t) for name, rule in SMALL_M_CONFIGS.items() f
 
 @pytest.mark.parametrize("name,n,k,rule", SMALL_TABLE, ids=[f"{t[0]}-{t[1]}-{t[2]}" for t in SMALL_TABLE])
 def test_gpu_small_m_table_keeps_the_reduction_order_and_fits(name, n, k, rule):
-    large = GPU_CONFIG_OVERRIDES.get((name, n, k), GPU_CONFIGS[name])
+    large = table_config(getattr(torch, name), n, k)
     check_same_reduction_order(large, rule.config, getattr(torch, name), gpu=True)
     cfg, elem = rule.config, getattr(torch, name).itemsize
     for size in (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps):

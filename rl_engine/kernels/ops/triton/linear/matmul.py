@@ -167,8 +167,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def matmul_config(dtype: torch.dtype, n: int, k: int) -> MatmulConfig:
     """The fixed configuration for a product with N output columns and reduction length K."""
-    if interpreting():
-        return INTERPRETER_CONFIG
+    return INTERPRETER_CONFIG if interpreting() else table_config(dtype, n, k)
+
+
+def table_config(dtype: torch.dtype, n: int, k: int) -> MatmulConfig:
+    """The GPU table's config at (dtype, N, K), also off a GPU (what --apply compares against)."""
     name = _dtype_name(dtype)
     return GPU_CONFIG_OVERRIDES.get((name, n, k), GPU_CONFIGS[name])
 
