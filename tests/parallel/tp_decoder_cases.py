@@ -6,6 +6,7 @@ reduction holds whole K steps at TP = 4 (o_proj K 64, down_proj K 128, q/k/v out
 
 from __future__ import annotations
 
+import interpreter_memos
 import torch
 import torch.distributed as dist
 
@@ -17,6 +18,8 @@ from rl_engine.models.weights import synthetic_weights
 from rl_engine.parallel import tp_kernels
 from rl_engine.parallel.tp_decoder import TensorParallelDecoder, weight_part
 from rl_engine.parallel.tp_kernels import Ranks, vocab_align, vocab_bounds
+
+interpreter_memos.install()  # spawned ranks import this module, not conftest (tests/interpreter_memos.py)
 
 CONFIG = ModelConfig("tp_tiny", "qwen3", 128, 64, 128, 1, 4, 4, 16)
 # On the GPU (NCCL): Qwen3's vocabulary and head shape, K of o_proj 2048 and of down_proj 3072.

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import interpreter_memos
 import torch.distributed as dist
 
 from rl_engine.models.config import ModelConfig
 from rl_engine.models.weights import synthetic_weights
 from rl_engine.parallel.tp_decoder import TensorParallelDecoder
 from rl_engine.rollout import Request, RolloutEngine, SamplingParams
+
+interpreter_memos.install()  # spawned ranks import this module, not conftest (tests/interpreter_memos.py)
 
 # The rollout tests' micro Qwen3 with 2 KV heads (one head of each kind per rank at TP = 2; o_proj's K of 16
 # per rank is one K step, and V = 64 two linear_logp chunks of 32). Prompts of one length: a prefill forward
