@@ -1,5 +1,5 @@
-"""Two memos for Triton's interpreter, installed by conftest and by the modules whose functions run in spawned
-ranks (they do not load conftest). Test speed only: the kernels run the same interpreted code."""
+"""Test speed only: `install` is called by conftest and by the modules whose functions run in spawned ranks (they do
+not load conftest)."""
 
 import os
 

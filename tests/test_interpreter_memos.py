@@ -1,6 +1,5 @@
-"""tests/interpreter_memos.py: installed under the interpreter, a kernel with nested @triton.jit helpers (one of
-them in a module that reaches triton.language through triton.language.core) computes what torch does, and every
-launch leaves triton.language as it found it."""
+"""tests/interpreter_memos.py: installed under the interpreter, a kernel with nested @triton.jit helpers (one calling
+through triton.language.core) computes what torch does, and every launch leaves triton.language as it found it."""
 
 import pytest
 import torch
