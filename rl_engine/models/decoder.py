@@ -217,10 +217,11 @@ class DecoderModel:
         b, s, h, d = x.shape
         return self._norm(node, x.reshape(b, s * h, d), role, layer).view(b, s, h, d)
 
-    def _rope(self, node, x, positions):
-        return self.ops("rope", node, self.rope_params, x=x, positions=positions)
+    def _rope(self, node, x, positions, kv_pages=None):
+        params = self.rope_params if kv_pages is None else {**self.rope_params, "kv_pages": kv_pages}
+        return self.ops("rope", node, params, x=x, positions=positions)
 
-    def _layer(self, i, h, positions, attend):
+    def _layer(self, i, h, positions, attend, cache=None):
         c, p = self.config, f"model.layers.{i}"
         b, s = h.shape[0], h.shape[1]
         x = self._norm(f"{p}.input_layernorm", h, "input_norm", i)
@@ -229,10 +230,13 @@ class DecoderModel:
         k = k.reshape(b, s, c.num_kv_heads, c.head_dim)
         v = v.reshape(b, s, c.num_kv_heads, c.head_dim)
         qk, norms = self._stacked_heads(q, k, i)
+        pages = None
         if qk is not None:  # q's and k's heads adjacent in one product: one norm launch and one RoPE launch
             qk = self.ops("rms_norm", f"{p}.self_attn.q_norm+k_norm", {"eps": c.rms_norm_eps, "split": c.num_heads},
                           x=qk, weight=norms)
-            q, k = self._rope(f"{p}.self_attn.q_rope+k_rope", qk, positions).split(
+            # a paged cache is written by the RoPE launch itself: the rotated keys and the values, a launch fewer
+            pages = cache.kv_pages(i, positions, v) if hasattr(cache, "kv_pages") else None
+            q, k = self._rope(f"{p}.self_attn.q_rope+k_rope", qk, positions, pages).split(
                 [c.num_heads, c.num_kv_heads], dim=2)
         else:
             if self.family.qk_norm:
@@ -240,7 +244,7 @@ class DecoderModel:
                 k = self._head_norm(f"{p}.self_attn.k_norm", k, "k_norm", i)
             q = self._rope(f"{p}.self_attn.q_rope", q, positions)
             k = self._rope(f"{p}.self_attn.k_rope", k, positions)
-        a = attend(i, f"{p}.self_attn.attention", q, k, v).reshape(b, s, c.num_heads * c.head_dim)
+        a = attend(i, f"{p}.self_attn.attention", q, k, v, pages is not None).reshape(b, s, c.num_heads * c.head_dim)
         h = self._residual_linear(f"{p}.self_attn.o_proj", h, a, "o_proj", i)
         x = self._norm(f"{p}.post_attention_layernorm", h, "post_norm", i)
         if c.sparse_layer(i):
@@ -250,9 +254,9 @@ class DecoderModel:
         m = self.ops("swiglu", f"{p}.mlp.swiglu", gate=gate, up=up)
         return self._residual_linear(f"{p}.mlp.down_proj", h, m, "down_proj", i)
 
-    def _decoder(self, h, positions, attend):
+    def _decoder(self, h, positions, attend, cache=None):
         for i in range(self.config.num_layers):
-            h = self._layer(i, h, positions, attend)
+            h = self._layer(i, h, positions, attend, cache)
         return self._norm("model.norm", h, "final_norm")
 
     # -- forwards (each returns the final-normed hidden states) ---------------------------------
@@ -268,12 +272,12 @@ class DecoderModel:
         if cu_seqlens is not None:
             extra["cu_seqlens"] = cu_seqlens
 
-        def attend(i, node, q, k, v):
-            if cache is not None:
+        def attend(i, node, q, k, v, written):
+            if cache is not None and not written:
                 cache.write(i, positions, k, v)
             return self.ops("attention", node, q=q, k=k, v=v, **extra)
 
-        return self._decoder(h, positions, attend)
+        return self._decoder(h, positions, attend, cache)
 
     def forward_cached(self, token_ids, positions, cache, cache_seqlens, *, embeds=None):
         """New tokens [B,Sq] at `positions` against the cache (chunked prefill, decode).
@@ -283,15 +287,16 @@ class DecoderModel:
         """
         h = self.embed(token_ids) if embeds is None else embeds
 
-        def attend(i, node, q, k, v):
-            cache.write(i, positions, k, v)
+        def attend(i, node, q, k, v, written):
+            if not written:
+                cache.write(i, positions, k, v)
             k_cache, v_cache = cache.layer_kv(i)
             table = getattr(cache, "block_table", None)
             paged = {} if table is None else {"block_table": table}
             return self.ops("kv_cache_attention", node, q=q, k_cache=k_cache, v_cache=v_cache,
                             cache_seqlens=cache_seqlens, **paged)
 
-        return self._decoder(h, positions, attend)
+        return self._decoder(h, positions, attend, cache)
 
     # -- heads ----------------------------------------------------------------------------------
     @property

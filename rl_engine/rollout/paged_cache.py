@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.kernels.ops.triton.attention.paged_write import write_kv_pages
+from rl_engine.kernels.ops.triton.attention.paged_write import KvPages, write_kv_pages
 from rl_engine.models.config import ModelConfig
 
 NULL_PAGE = 0
@@ -143,18 +143,28 @@ class PagedKvCache:
         self.block_table = block_table
         self._written = None
 
-    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The pool slots of `positions` are computed at the forward's first write and reused by its other layers
-        (the same tensor); binding resets them."""
+    def _slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """The pool slots of `positions`: computed at the forward's first write and reused by its other layers (the
+        same tensor); binding resets them."""
         w = self._written
         if w is None or w[0] is not positions or w[1] is not self.block_table:  # the forward's first layer
             w = self._written = (positions, self.block_table, pool_slots(self.block_table, positions, self.page_size))
+        return w[2]
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        slots = self._slots(positions)
         kp, vp = self.k[layer], self.v[layer]
         if kp.is_cuda and k.dtype == v.dtype == kp.dtype:  # one launch for both: a copy, the same bits
-            write_kv_pages(kp, vp, w[2], k, v)
+            write_kv_pages(kp, vp, slots, k, v)
         else:
-            write_pages(kp, self.block_table, positions, k, w[2])
-            write_pages(vp, self.block_table, positions, v, w[2])
+            write_pages(kp, self.block_table, positions, k, slots)
+            write_pages(vp, self.block_table, positions, v, slots)
+
+    def kv_pages(self, layer: int, positions: torch.Tensor, v: torch.Tensor) -> KvPages | None:
+        """The layer's write target for a launch that produces the keys (the Triton RoPE over q's and k's heads)
+        and writes them with `v` in place of `write`: None where the dtypes differ (`write` casts)."""
+        kp, vp = self.k[layer], self.v[layer]
+        return KvPages(kp, vp, self._slots(positions), v) if v.dtype == kp.dtype else None
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's page pools [num_pages, page_size, Hkv, D], read through `block_table` (no gather)."""

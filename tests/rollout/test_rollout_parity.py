@@ -13,6 +13,7 @@ import rl_engine.rollout.engine as engine_module
 from rl_engine.checks.forward_invariance.harness import build_model
 from rl_engine.models.weights import pack_projections
 from rl_engine.rollout import Request, RolloutEngine, SamplingParams, tempered_logprobs
+from rl_engine.rollout.paged_cache import PagedKvCache
 from rl_engine.rollout.sampling import sample
 from rl_engine.workload.layouts import Sample, pack
 
@@ -106,6 +107,20 @@ def test_q_and_k_heads_stacked_with_their_norms_swapped_are_caught(micro_config,
     monkeypatch.setattr(decoder.DecoderModel, "_stacked_heads", swapped)
     got, nodes = _stacked_run(micro_config, micro_weights)
     assert QK_NORM in nodes and mismatches(got, alone)
+
+
+def test_stacked_heads_write_the_paged_cache_from_the_rope_launch(micro_config, micro_weights, alone, monkeypatch):
+    # The RoPE launch writes the rotated keys and the values (no separate write a layer): the bits of generating alone
+    writes = []
+    monkeypatch.setattr(PagedKvCache, "write", lambda self, *args: writes.append(args))
+    got, nodes = _stacked_run(micro_config, micro_weights)
+    assert QK_ROPE in nodes and not writes and not mismatches(got, alone)
+    # Planted: the launch writes each token one pool row past its slot
+    kv_pages = PagedKvCache.kv_pages
+    monkeypatch.setattr(PagedKvCache, "kv_pages", lambda self, *a: kv_pages(self, *a)._replace(
+        slots=kv_pages(self, *a).slots + 1))
+    got, _ = _stacked_run(micro_config, micro_weights)
+    assert mismatches(got, alone)
 
 
 def test_a_stacked_product_that_would_walk_k_otherwise_is_refused(micro_config, micro_weights, alone, monkeypatch):

@@ -196,7 +196,7 @@ def compile_matmul(variant: str):
 
 # The small kernels of a decode step, as the step launches them: programmatic dependents (runtime.pdl_launch), bf16,
 # Qwen3-8B's widths (hidden 4096, intermediate 12288, 32 heads of 128, 8 KV heads).
-DECODE_KERNELS = ("rms_norm", "rms_norm_heads", "swiglu", "rope", "paged_write")
+DECODE_KERNELS = ("rms_norm", "rms_norm_heads", "swiglu", "rope", "rope_kv_pages", "paged_write")
 
 
 def compile_decode(kind: str):
@@ -215,9 +215,11 @@ def compile_decode(kind: str):
                         types({"rstd_ptr": "*fp32", "eps": "fp32"}), warps, 1)
     if kind == "swiglu":
         return _compile(_swiglu_forward_kernel, dict(BLOCK=BLOCK, PDL=True), types({}), NUM_WARPS, 1)
-    if kind == "rope":
-        return _compile(_rope_kernel, dict(TRANSPOSE=False, LIBDEVICE_TRIG=True, BLOCK_HEADS=32, BLOCK_HALF=64,
-                                           PDL=True), types({"positions_ptr": "*i64", "inv_freq_ptr": "*fp32"}), 2, 1)
+    if kind in ("rope", "rope_kv_pages"):  # q's heads; q's and k's heads in one launch, writing the paged cache
+        kv = kind == "rope_kv_pages"
+        return _compile(_rope_kernel, dict(TRANSPOSE=False, LIBDEVICE_TRIG=True, BLOCK_HEADS=64 if kv else 32,
+                                           BLOCK_HALF=64, KV=kv, BLOCK_V=1024 if kv else 1, PDL=True),
+                        types({"positions_ptr": "*i64", "inv_freq_ptr": "*fp32", "slots_ptr": "*i64"}), 2, 1)
     return _compile(_write_kv_kernel, dict(ROW=1024, BLOCK=1024, PDL=True), types({"slots_ptr": "*i64"}), 4, 1)
 
 

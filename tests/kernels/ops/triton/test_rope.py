@@ -167,3 +167,67 @@ def test_q_of_a_stacked_product_is_rotated_in_place_with_the_bits_of_a_copy(dtyp
     assert torch.equal(module.rope(q, positions), want)
     monkeypatch.setattr(module, "_token_rows", lambda x: (x, x.shape[-2] * x.shape[-1]))
     assert not torch.equal(module.rope(q, positions), want)
+
+
+def _paged_case(dtype, seed=0):
+    """q and k's heads side by side in a stacked q/k/v product (after their norms), v its strided view, and pools with
+    scattered pages (the rollout's paged cache)."""
+    from rl_engine.rollout.paged_cache import padded_block_table, pool_slots
+
+    g = torch.Generator().manual_seed(seed)
+    hq, hkv, d, page = 4, 2, 16, 4
+    qkv = torch.randn(3, 2, (hq + 2 * hkv) * d, generator=g).to(dtype).to(DEVICE)
+    qk = qkv[..., : (hq + hkv) * d].view(3, 2, hq + hkv, d)
+    v = qkv[..., (hq + hkv) * d:].view(3, 2, hkv, d)
+    positions = torch.tensor([[5, 6], [2, 3], [9, 10]], device=DEVICE)
+    table = padded_block_table([[3, 7], [1], [8, 2, 5]], 3).to(DEVICE)
+    pools = [torch.full((9, page, hkv, d), -1.0, dtype=dtype, device=DEVICE) for _ in range(2)]
+    return qk, v, positions, pools, pool_slots(table, positions, page)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rope_writes_keys_and_values_into_pages_with_the_bits_of_a_separate_write(dtype):
+    """kv_pages: the launch that rotates q's and k's heads also writes the rotated keys and the values into the paged
+    pools, with the bits of rotating, then `write_kv_pages`; the rotation's own output is unchanged."""
+    from rl_engine.kernels.ops.triton.attention.paged_write import KvPages, write_kv_pages
+
+    qk, v, positions, (k_pool, v_pool), slots = _paged_case(dtype)
+    want_k, want_v = k_pool.clone(), v_pool.clone()
+    want = triton_rope.rope(qk, positions)
+    write_kv_pages(want_k, want_v, slots, want[..., 4:, :], v)
+    got = triton_rope.rope(qk, positions, kv_pages=KvPages(k_pool, v_pool, slots, v))
+    assert torch.equal(got, want) and torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
+    # What the check tells apart: unrotated keys, or a write one pool row off
+    unrotated_k = k_pool.clone()
+    write_kv_pages(unrotated_k, v_pool.clone(), slots, qk[..., 4:, :], v)
+    assert not torch.equal(unrotated_k, want_k)
+    k_off, v_off = torch.full_like(k_pool, -1.0), torch.full_like(v_pool, -1.0)
+    triton_rope.rope(qk, positions, kv_pages=KvPages(k_off, v_off, slots + 1, v))  # planted: the next row
+    assert not torch.equal(k_off, want_k) and not torch.equal(v_off, want_v)
+
+
+def test_rope_kv_pages_under_autograd_write_the_same_bits():
+    from rl_engine.kernels.ops.triton.attention.paged_write import KvPages
+
+    qk, v, positions, (k_pool, v_pool), slots = _paged_case(torch.float32, seed=1)
+    want_k, want_v = k_pool.clone(), v_pool.clone()
+    triton_rope.rope(qk, positions, kv_pages=KvPages(want_k, want_v, slots, v))
+    x = qk.detach().clone().requires_grad_()
+    triton_rope.rope(x, positions, kv_pages=KvPages(k_pool, v_pool, slots, v))
+    assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
+
+
+def test_rope_kv_pages_of_another_shape_is_one_line():
+    from rl_engine.kernels.ops.triton.attention.paged_write import KvPages
+
+    qk, v, positions, (k_pool, v_pool), slots = _paged_case(torch.float32)
+    with pytest.raises(ValueError, match="kv_pages: expected"):
+        triton_rope.rope(qk, positions, kv_pages=KvPages(k_pool, v_pool, slots[:, :1], v))
+    with pytest.raises(ValueError, match="kv_pages: expected"):
+        triton_rope.rope(qk, positions, kv_pages=KvPages(k_pool.bfloat16(), v_pool, slots, v))
+
+
+@pytest.mark.gpu
+def test_gpu_rope_writes_keys_and_values_into_pages_with_the_bits_of_a_separate_write():
+    assert DEVICE == "cuda"
+    test_rope_writes_keys_and_values_into_pages_with_the_bits_of_a_separate_write(torch.bfloat16)

@@ -1,8 +1,11 @@
 """The new keys and values of a forward written into the paged KV pools: one launch for both, one program per
 token. A copy (no arithmetic), so the pools hold the bits that `torch` index assignment would put there; it
-replaces two index_put launches a layer (and the copy of the strided value view from the stacked q/k/v product)."""
+replaces two index_put launches a layer (and the copy of the strided value view from the stacked q/k/v product).
+Where RoPE rotates q's and k's heads in one launch, that launch writes the pools instead (`KvPages`, rope.py)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -24,6 +27,20 @@ def _write_kv_kernel(k_ptr, v_ptr, k_pool_ptr, v_pool_ptr, slots_ptr, k_stride, 
     mask = cols < ROW
     tl.store(k_pool_ptr + slot * ROW + cols, tl.load(k_ptr + token * k_stride + cols, mask=mask), mask=mask)
     tl.store(v_pool_ptr + slot * ROW + cols, tl.load(v_ptr + token * v_stride + cols, mask=mask), mask=mask)
+
+
+class KvPages(NamedTuple):
+    """Where a forward's new keys and values go: pool rows `slots` (int64, one per token) of k_pool/v_pool
+    [num_pages, page, Hkv, D]; `v` [..., Hkv, D] holds the values (the keys come from the launch that takes this)."""
+
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    slots: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def row(self) -> int:
+        return self.k_pool.shape[-2] * self.k_pool.shape[-1]
 
 
 def write_kv_pages(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,

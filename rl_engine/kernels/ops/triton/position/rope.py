@@ -40,6 +40,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from rl_engine.kernels.ops.pytorch.base import expect_float
 from rl_engine.kernels.ops.pytorch.position.rope import NativeRopeOp
+from rl_engine.kernels.ops.triton.attention.paged_write import KvPages, write_kv_pages
 from rl_engine.kernels.ops.triton.runtime import (
     cast_rne,
     check_devices,
@@ -47,6 +48,7 @@ from rl_engine.kernels.ops.triton.runtime import (
     needs_autograd,
     pdl_launch,
     register_autograd,
+    unit_column_rows,
 )
 
 
@@ -54,8 +56,9 @@ from rl_engine.kernels.ops.triton.runtime import (
 def _rope_kernel(
     x_ptr, positions_ptr, inv_freq_ptr, out_ptr,
     n_heads, half, stride_token,
+    k_pool_ptr, v_pool_ptr, slots_ptr, v_ptr, v_stride, first_k_head,
     TRANSPOSE: tl.constexpr, LIBDEVICE_TRIG: tl.constexpr,
-    BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, KV: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # launched as a programmatic dependent (runtime.pdl_launch)
         gdc_launch_dependents()
@@ -80,10 +83,20 @@ def _rope_kernel(
     mask = (heads[:, None] < n_heads) & freq_mask[None, :]
     x1 = tl.load(x_ptr + src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + src + half, mask=mask, other=0.0).to(tl.float32)
-    out1 = x1 * cos[None, :] - x2 * sin[None, :]
-    out2 = x2 * cos[None, :] + x1 * sin[None, :]
-    tl.store(out_ptr + offs, cast_rne(out1, out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_ptr + offs + half, cast_rne(out2, out_ptr.dtype.element_ty), mask=mask)
+    out1 = cast_rne(x1 * cos[None, :] - x2 * sin[None, :], out_ptr.dtype.element_ty)
+    out2 = cast_rne(x2 * cos[None, :] + x1 * sin[None, :], out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, out1, mask=mask)
+    tl.store(out_ptr + offs + half, out2, mask=mask)
+    if KV:  # the heads from first_k_head on are the keys: into the pool row of this token, its values beside them
+        slot = tl.load(slots_ptr + token).to(tl.int64)
+        row = (n_heads - first_k_head) * 2 * half
+        in_row = slot * row + (heads[:, None] - first_k_head) * 2 * half + freq[None, :]
+        is_key = mask & (heads[:, None] >= first_k_head)
+        tl.store(k_pool_ptr + in_row, out1, mask=is_key)
+        tl.store(k_pool_ptr + in_row + half, out2, mask=is_key)
+        cols = tl.arange(0, BLOCK_V)
+        in_v = cols < row
+        tl.store(v_pool_ptr + slot * row + cols, tl.load(v_ptr + token * v_stride + cols, mask=in_v), mask=in_v)
 
 
 def rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
@@ -131,19 +144,27 @@ def _token_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def rope_apply(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *, transpose: bool = False,
-               num_warps: int | None = None) -> torch.Tensor:
+               num_warps: int | None = None, kv_pages: KvPages | None = None) -> torch.Tensor:
     """Rotate x [..., Hh, D] (each token's heads contiguous; tokens at any stride) by positions [...] (the transpose
-    rotation when `transpose`); the result is contiguous."""
+    rotation when `transpose`); the result is contiguous. With `kv_pages`, the same launch also writes the last Hkv
+    heads of the result (the keys) and kv_pages.v into the pools: the bits of `write_kv_pages` after it."""
     n_heads, head_dim = x.shape[-2], x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     x, stride_token = _token_rows(x)
     n_tokens = positions.numel()
     block_heads, block_half, warps = launch_config(n_heads, head_dim)
+    if kv_pages is None:  # unread: the pointers only need to be valid
+        kv, block_v = (out, out, positions, out, 0, n_heads), 1
+    else:
+        k_pool, v_pool, slots, v = kv_pages
+        v = unit_column_rows(v, kv_pages.row)
+        kv, block_v = (k_pool, v_pool, slots.reshape(-1), v, v.stride(0), n_heads - k_pool.shape[-2]), kv_pages.row
     if n_tokens:
         _rope_kernel[(n_tokens,)](
-            x, positions, inv_freq, out, n_heads, head_dim // 2, stride_token,
+            x, positions, inv_freq, out, n_heads, head_dim // 2, stride_token, *kv,
             TRANSPOSE=transpose, LIBDEVICE_TRIG=not interpreting(),
             BLOCK_HEADS=block_heads, BLOCK_HALF=block_half,
+            KV=kv_pages is not None, BLOCK_V=triton.next_power_of_2(block_v),
             num_warps=num_warps or warps, enable_fp_fusion=False, **pdl_launch(),
         )
     return out
@@ -179,10 +200,24 @@ def _rope_backward(ctx, grad_out: torch.Tensor):
 rope_autograd = register_autograd(rope_op, _rope_backward, _rope_setup_context)
 
 
+def _check_kv_pages(x: torch.Tensor, positions: torch.Tensor, kv_pages: KvPages) -> None:
+    k_pool, v_pool, slots, v = kv_pages
+    hkv, d = k_pool.shape[-2], k_pool.shape[-1]
+    if (k_pool.dim() != 4 or v_pool.shape != k_pool.shape or not (k_pool.is_contiguous() and v_pool.is_contiguous())
+            or d != x.shape[-1] or hkv > x.shape[-2] or tuple(v.shape) != (*x.shape[:-2], hkv, d)
+            or slots.numel() != positions.numel() or slots.dtype != torch.int64
+            or not x.dtype == v.dtype == k_pool.dtype == v_pool.dtype):
+        raise ValueError(
+            f"kv_pages: expected contiguous pools [pages, page, Hkv, D] of x's dtype and D ({x.dtype}, {x.shape[-1]}), "
+            f"values [..., Hkv, D] and one int64 slot per token; got pools {tuple(k_pool.shape)} {k_pool.dtype}, "
+            f"values {tuple(v.shape)}, {slots.numel()} {slots.dtype} slots for {positions.numel()} tokens")
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 1e6,
-         inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+         inv_freq: torch.Tensor | None = None, kv_pages: KvPages | None = None) -> torch.Tensor:
     """Rotate x [B,S,Hh,D] by integer positions [B,S]; returns x's dtype. `inv_freq` (fp32 [D/2] on x's
-    device, checked by NativeRopeOp) replaces theta's table for a scaled RoPE."""
+    device, checked by NativeRopeOp) replaces theta's table for a scaled RoPE. `kv_pages`: the last Hkv heads of
+    the result (the keys) and its values also go into the paged pools (rope_apply; a second launch under autograd)."""
     if x.dim() < 2 or x.shape[-1] % 2 or tuple(positions.shape) != tuple(x.shape[:-2]):
         raise ValueError(
             f"x, positions: expected x [..., Hh, D] with even D and positions of shape x.shape[:-2]; "
@@ -191,11 +226,17 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 1e6,
     if positions.is_floating_point():
         raise ValueError(f"positions: expected integer positions, got dtype {positions.dtype}")
     expect_float("x", x, "[..., Hh, D]")
+    if kv_pages is not None:
+        _check_kv_pages(x, positions, kv_pages)
     if needs_autograd(x):
-        return rope_autograd(x, positions, inv_freq, theta, False)
+        out = rope_autograd(x, positions, inv_freq, theta, False)
+        if kv_pages is not None:
+            write_kv_pages(kv_pages.k_pool, kv_pages.v_pool, kv_pages.slots,
+                           out[..., -kv_pages.k_pool.shape[-2]:, :].detach(), kv_pages.v.detach())
+        return out
     positions = positions.contiguous()  # x is read in place (rope_apply)
     inv_freq = cached_inv_freq(x.shape[-1], theta, x.device) if inv_freq is None else inv_freq.contiguous()
-    return rope_apply(x, positions, inv_freq)
+    return rope_apply(x, positions, inv_freq, kv_pages=kv_pages)
 
 
 class TritonRopeOp:
@@ -203,11 +244,12 @@ class TritonRopeOp:
 
     input_names = NativeRopeOp.input_names
 
-    def __init__(self, theta: float = 1e6, inv_freq: torch.Tensor | None = None):
+    def __init__(self, theta: float = 1e6, inv_freq: torch.Tensor | None = None, kv_pages: KvPages | None = None):
         self.theta = theta
         self.inv_freq = inv_freq
+        self.kv_pages = kv_pages  # the decoder's paged cache, written by the same launch (rope_apply)
 
     def __call__(self, *, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         check_devices("TritonRopeOp", x=x, positions=positions)
         NativeRopeOp(self.theta, self.inv_freq).validate(x=x, positions=positions)
-        return rope(x, positions, self.theta, self.inv_freq)
+        return rope(x, positions, self.theta, self.inv_freq, self.kv_pages)
