@@ -116,6 +116,10 @@ def _goal(text: str, met: bool) -> str:
     return f"{text} {'✓' if met else '✗'}"
 
 
+def _joined(rows, key: str, fmt: str = "{}") -> str:
+    return " / ".join(fmt.format(r[key]) for r in rows)
+
+
 def _row(label, ours, peer, ratio, goal, anchor) -> str:
     return f"| {label} | {ours} | {peer} | {ratio} | {goal} | [{anchor}](docs/results.md#{anchor}) |"
 
@@ -232,6 +236,22 @@ def summary(results: Path = RESULTS) -> str:
                     _goal(f"≥ {speed:g}× transformers at batch ≥ {batch}", ours["decode_tok_s"] / theirs >= speed)
                     + "; " + _goal(f"≤ {floor:g}× the byte floor: {ours['floor_x']:.2f}×", ours["floor_x"] <= floor),
                     "rollout"))
+
+    ro = load("rollout_h100")  # the byte-floor goal's cells, full depth, the latest build measured (an H100)
+    by_context: dict[int, list] = {}
+    for r in sorted(ro["rows"], key=lambda r: (r["context"], r["batch"])):
+        if r["peer"] == "triton_bf16":
+            by_context.setdefault(r["context"], []).append(r)
+    (short, cells), *longer = sorted(by_context.items())
+    goal = ro["goals"]["floor_x"]
+    out.append(_row(f"rollout decode step, {ro['model']} ({ro['layers']} layers), batch {_joined(cells, 'batch')}, "
+                    f"{short // 1024}k context, **H100**", _joined(cells, "decode_step_ms_median", "{:.2f}") + " ms",
+                    "byte floor (weights + KV ÷ copy) " + _joined(cells, "floor_ms", "{:.2f}") + " ms",
+                    _joined(cells, "floor_x", "{:.2f}") + "× the floor",
+                    _goal(f"≤ {goal:g}× the byte floor", all(r["floor_goal_met"] for r in cells)) + "".join(
+                        f"; {c // 1024}k, batch {_joined(rows, 'batch')}: "
+                        + _goal(_joined(rows, "floor_x", "{:.2f}") + "×", all(r["floor_goal_met"] for r in rows))
+                        for c, rows in longer), "rollout_h100"))
 
     grpo = load("rollout_grpo_h100")
     w, rows = grpo["workload"], {r["peer"]: r for r in grpo["rows"]}
