@@ -2,6 +2,7 @@
 
     python benchmarks/linear_logp.py --out benchmarks/results [--quick] [--tile-sweep] [--bwd-sweep]
     python benchmarks/linear_logp.py --out DIR --tile-sweep --bwd-sweep --sweeps-only   # sweeps alone
+    python benchmarks/linear_logp.py --out DIR --sampling-sweep --sweeps-only           # the rollout's read
 
 Implementations, side by side in one run:
   triton        TritonLinearLogpOp (never materializes the logits; batch invariant)
@@ -19,8 +20,11 @@ backward's logits recompute shares them); --bwd-sweep times, at N=4096, each bac
 on one vocabulary chunk (dlogits recompute, dH GEMM with accumulation, dW GEMM) per GEMM tile
 config next to cuBLAS on the same shapes, then the whole backward under a few complete configs
 (GEMM tiles, VOCAB_CHUNK), each checked against the shipped config's gradients and for batch
-invariance of the hidden gradient. Exploration only: the shipped configuration stays one fixed
-choice per dtype (ours._GPU_CONFIGS), set by hand from these tables.
+invariance of the hidden gradient. --sampling-sweep times the rollout's lm_head read (`sampling_logits`: the
+fp32 logits and the partials in one kernel) at decode batch sizes under other tiles, each checked bit for bit
+against the shipped tiles' logits and partials, with the weight's copy floor beside it (linear_logp_sampling.json).
+Exploration only: the shipped configuration stays one fixed choice per dtype (ours._GPU_CONFIGS,
+ours.sampling_config), set by hand from these tables.
 Floor for forward+backward without materializing the logits: 4 GEMMs (forward, recompute, dH,
 dW), i.e. 4.0x the cuBLAS GEMM at cuBLAS speed; issue 17's goal, 4.3x, is those 4 GEMMs at 93% of
 cuBLAS's speed (the forward's goal: 1.10x).
@@ -68,6 +72,16 @@ TILE_SWEEP = [
 # Gradient-GEMM tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for dH and dW, timed alone.
 GEMM_SWEEP = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3),
               (128, 128, 64, 4, 4), (128, 128, 64, 8, 4)]
+# The rollout's read at decode batch sizes. A row's logits are the same m64n256k16 wgmma chain over BLOCK_H steps with
+# BLOCK_T = 64 on one warpgroup as with 128 on two, and its partials reduce the same 256 columns within a warp, so these
+# may keep the bits (the sweep checks); fewer padded rows leave shared memory for a deeper pipeline beside the stored
+# fp32 tile (64 KB at 64 x 256).
+SAMPLING_SWEEP = [
+    dict(BLOCK_T=64, num_warps=4, num_stages=2),
+    dict(BLOCK_T=64, num_warps=4, num_stages=3),
+    dict(BLOCK_T=64, num_warps=4, num_stages=4),
+]
+SAMPLING_TOKENS = (1, 16, 64, 256)
 # Complete backward configs: overrides of the shipped 16-bit config.
 BWD_SWEEP = [
     {},
@@ -256,6 +270,39 @@ def bwd_sweep(tokens, warmup, rep) -> list[dict]:
     return results
 
 
+def _sampling_bits(hidden, weight, cfg) -> tuple:
+    logits, (part_max, part_sum) = ours.sampling_logits(hidden, weight, cfg)
+    return logits, part_max, part_sum
+
+
+def sampling_sweep(tokens_list, weight, candidates: list[dict], copy_gb_per_s: float, time_ms) -> list[dict]:
+    """Per N and candidate tiles (candidates[0]: the shipped ones): ms of `sampling_logits` (time_ms(fn)), the
+    weight's read rate against copy, and whether the logits and both partials equal the first candidate's bit for
+    bit. hidden ~ N(0, 1) rows of weight's dtype."""
+    rows = []
+    weight_bytes = weight.numel() * weight.element_size()
+    gen = torch.Generator().manual_seed(0)
+    for n in tokens_list:
+        hidden = torch.randn(n, weight.shape[1], generator=gen).to(weight.dtype).to(weight.device)
+        shipped = None
+        for cfg in candidates:
+            label = f"{cfg['BLOCK_T']}x{cfg['BLOCK_V']}x{cfg['BLOCK_H']}/w{cfg['num_warps']}s{cfg['num_stages']}"
+
+            def run(cfg=cfg, hidden=hidden):
+                nonlocal shipped
+                got = _sampling_bits(hidden, weight, cfg)
+                if cfg is candidates[0]:
+                    shipped = got
+                ms = time_ms(lambda: ours.sampling_logits(hidden, weight, cfg))
+                gb_per_s = weight_bytes / (ms * 1e-3) / GB
+                same = None if shipped is None else all(torch.equal(a, b) for a, b in zip(got, shipped))
+                return {"ms": ms, "weight_gb_per_s": gb_per_s, "pct_of_copy": 100 * gb_per_s / copy_gb_per_s,
+                        "floor_ms": weight_bytes / (copy_gb_per_s * GB) * 1e3, "bitwise_vs_shipped": same}
+            rows.append({"tokens": n, "tiles": label, "shipped": cfg is candidates[0],
+                         **measure(f"sampling_logits N={n} {label}", run)})
+    return rows
+
+
 SWEEP_COLUMNS = ["fwd_ms", "bwd_ms", "fwd_x_gemm", "fwd_bwd_x_gemm", "bwd_extra_gb", "logp_bitwise_vs_shipped",
                  "dh_max_diff_vs_shipped", "dw_max_diff_vs_shipped", "invariant", "error"]
 
@@ -270,9 +317,25 @@ def print_sweeps(tiles, bwd_kernels, bwd_configs) -> None:
         print_table(bwd_configs, ["config", *SWEEP_COLUMNS])
 
 
+def sampling_sweeps(args, warmup, rep) -> None:
+    copy = measure("copy ceiling", copy_ceiling)
+    weight = (torch.randn(VOCAB, HIDDEN, device="cuda") * HIDDEN ** -0.5).to(torch.bfloat16)
+    shipped = ours.sampling_config(torch.bfloat16)
+    rows = sampling_sweep(SAMPLING_TOKENS, weight, [shipped, *({**shipped, **c} for c in SAMPLING_SWEEP)],
+                          copy.get("gb_per_s", float("nan")), lambda fn: bench_ms(fn, warmup=warmup, rep=rep))
+    print(f"copy {copy.get('gb_per_s', float('nan')):.0f} GB/s; the lm_head weight {VOCAB} x {HIDDEN} bf16")
+    print_table(rows, ["tokens", "tiles", "shipped", "ms", "floor_ms", "pct_of_copy", "bitwise_vs_shipped", "error"])
+    write_json(args.out, "linear_logp_sampling", {
+        "hidden": HIDDEN, "vocab": VOCAB, "copy": copy, "shipped_config": shipped, "rows": rows})
+
+
 def sweeps(args) -> int:
     warmup, rep = (5, 30) if args.quick else (10, 60)
     print(environment())
+    if args.sampling_sweep:
+        sampling_sweeps(args, warmup, rep)
+        if not (args.tile_sweep or args.bwd_sweep):
+            return 0
     tiles = tile_sweep(MAIN_TOKENS, warmup, rep) if args.tile_sweep else []
     bwd_kernels = bwd_kernel_sweep(MAIN_TOKENS, warmup, rep) if args.bwd_sweep else []
     bwd_configs = bwd_sweep(MAIN_TOKENS, warmup, rep) if args.bwd_sweep else []
@@ -288,6 +351,8 @@ def main() -> int:
     parser = arg_parser(__doc__.splitlines()[0])
     parser.add_argument("--tile-sweep", action="store_true", help="also time alternative logits-tile configs")
     parser.add_argument("--bwd-sweep", action="store_true", help="also time backward kernels and configs")
+    parser.add_argument("--sampling-sweep", action="store_true",
+                        help="also time the rollout's lm_head read (sampling_logits) at N = 1..256 under other tiles")
     parser.add_argument("--sweeps-only", action="store_true", help="skip the comparison with the peers")
     args = parse_gpu_args(parser)
     if args.sweeps_only:
@@ -326,6 +391,8 @@ def main() -> int:
                "fwd_extra_gb", "fwd_bwd_extra_gb", "fwd_bwd_work_gb", "max_abs_err", "error"]
     print_table(rows, columns)
     print_sweeps(tiles, bwd_kernels, bwd_configs)
+    if args.sampling_sweep:
+        sampling_sweeps(args, warmup, rep)
     names = ["cublas_gemm", *impls]
 
     def series(key, impl_names):

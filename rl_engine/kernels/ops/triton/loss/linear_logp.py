@@ -390,14 +390,22 @@ def partials(hidden, weight, bias, targets, cfg, logits=None):
     return part_max, part_sum, target_logit
 
 
-def sampling_logits(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-    """fp32 logits [N, V] = hidden [N, H] @ W^T for a sampler, and the partials `linear_logp` folds: with them
-    `logp_of_drawn` gives drawn tokens the bits of linear_logp(hidden, W, tokens) without a second read of W (one
-    kernel writes both: the logits are its fp32 accumulator tiles). Pipeline depth changes no bit."""
-    dtype = torch.promote_types(hidden.dtype, weight.dtype)
-    rows, weight = hidden.to(dtype), weight.to(dtype)
+def sampling_config(dtype: torch.dtype) -> dict:
+    """`sampling_logits`' tiles: the trainer's (so a logit's and a partial's bits are its), at most
+    STORE_LOGITS_STAGES pipeline stages. `benchmarks/linear_logp.py --sampling-sweep` times others."""
     cfg = config(dtype)
     cfg["num_stages"] = min(cfg["num_stages"], STORE_LOGITS_STAGES)
+    return cfg
+
+
+def sampling_logits(hidden: torch.Tensor, weight: torch.Tensor, cfg: dict | None = None) -> tuple[torch.Tensor, tuple]:
+    """fp32 logits [N, V] = hidden [N, H] @ W^T for a sampler, and the partials `linear_logp` folds: with them
+    `logp_of_drawn` gives drawn tokens the bits of linear_logp(hidden, W, tokens) without a second read of W (one
+    kernel writes both: the logits are its fp32 accumulator tiles). Pipeline depth changes no bit. `cfg`: other
+    tiles than `sampling_config`'s (a benchmark's; the bits are the trainer's only where its sweep shows so)."""
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    rows, weight = hidden.to(dtype), weight.to(dtype)
+    cfg = sampling_config(dtype) if cfg is None else cfg
     logits = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32, device=rows.device)
     no_target = torch.full((rows.shape[0],), -1, dtype=torch.int64, device=rows.device)
     part_max, part_sum, _ = partials(rows, weight, None, no_target, cfg, logits=logits)
