@@ -270,11 +270,6 @@ def bwd_sweep(tokens, warmup, rep) -> list[dict]:
     return results
 
 
-def _sampling_bits(hidden, weight, cfg) -> tuple:
-    logits, (part_max, part_sum) = ours.sampling_logits(hidden, weight, cfg)
-    return logits, part_max, part_sum
-
-
 def sampling_sweep(tokens_list, weight, candidates: list[dict], copy_gb_per_s: float, time_ms) -> list[dict]:
     """Per N and candidate tiles (candidates[0]: the shipped ones): ms of `sampling_logits` (time_ms(fn)), the
     weight's read rate against copy, and whether the logits and both partials equal the first candidate's bit for
@@ -290,7 +285,8 @@ def sampling_sweep(tokens_list, weight, candidates: list[dict], copy_gb_per_s: f
 
             def run(cfg=cfg, hidden=hidden):
                 nonlocal shipped
-                got = _sampling_bits(hidden, weight, cfg)
+                logits, parts = ours.sampling_logits(hidden, weight, cfg)
+                got = (logits, *parts)
                 if cfg is candidates[0]:
                     shipped = got
                 ms = time_ms(lambda: ours.sampling_logits(hidden, weight, cfg))

@@ -117,8 +117,12 @@ def test_stacked_heads_write_the_paged_cache_from_the_rope_launch(micro_config, 
     assert QK_ROPE in nodes and not writes and not mismatches(got, alone)
     # Planted: the launch writes each token one pool row past its slot
     kv_pages = PagedKvCache.kv_pages
-    monkeypatch.setattr(PagedKvCache, "kv_pages", lambda self, *a: kv_pages(self, *a)._replace(
-        slots=kv_pages(self, *a).slots + 1))
+
+    def one_row_on(self, *args):
+        pages = kv_pages(self, *args)
+        return pages._replace(slots=pages.slots + 1)
+
+    monkeypatch.setattr(PagedKvCache, "kv_pages", one_row_on)
     got, _ = _stacked_run(micro_config, micro_weights)
     assert mismatches(got, alone)
 

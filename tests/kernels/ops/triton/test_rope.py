@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from rl_engine.kernels.ops.pytorch.position.rope import NativeRopeOp, rope_cos_sin
+from rl_engine.kernels.ops.triton.attention.paged_write import KvPages, write_kv_pages
 from rl_engine.kernels.ops.triton.position import rope as triton_rope
 from rl_engine.kernels.ops.triton.position.rope import TritonRopeOp, cached_inv_freq, rope_inv_freq
+from rl_engine.rollout.paged_cache import padded_block_table, pool_slots
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32: cos/sin of large angles may differ by an ulp between libraries (numpy under the interpreter
@@ -172,8 +174,6 @@ def test_q_of_a_stacked_product_is_rotated_in_place_with_the_bits_of_a_copy(dtyp
 def _paged_case(dtype, seed=0):
     """q and k's heads side by side in a stacked q/k/v product (after their norms), v its strided view, and pools with
     scattered pages (the rollout's paged cache)."""
-    from rl_engine.rollout.paged_cache import padded_block_table, pool_slots
-
     g = torch.Generator().manual_seed(seed)
     hq, hkv, d, page = 4, 2, 16, 4
     qkv = torch.randn(3, 2, (hq + 2 * hkv) * d, generator=g).to(dtype).to(DEVICE)
@@ -189,8 +189,6 @@ def _paged_case(dtype, seed=0):
 def test_rope_writes_keys_and_values_into_pages_with_the_bits_of_a_separate_write(dtype):
     """kv_pages: the launch that rotates q's and k's heads also writes the rotated keys and the values into the paged
     pools, with the bits of rotating, then `write_kv_pages`; the rotation's own output is unchanged."""
-    from rl_engine.kernels.ops.triton.attention.paged_write import KvPages, write_kv_pages
-
     qk, v, positions, (k_pool, v_pool), slots = _paged_case(dtype)
     want_k, want_v = k_pool.clone(), v_pool.clone()
     want = triton_rope.rope(qk, positions)
@@ -207,8 +205,6 @@ def test_rope_writes_keys_and_values_into_pages_with_the_bits_of_a_separate_writ
 
 
 def test_rope_kv_pages_under_autograd_write_the_same_bits():
-    from rl_engine.kernels.ops.triton.attention.paged_write import KvPages
-
     qk, v, positions, (k_pool, v_pool), slots = _paged_case(torch.float32, seed=1)
     want_k, want_v = k_pool.clone(), v_pool.clone()
     triton_rope.rope(qk, positions, kv_pages=KvPages(want_k, want_v, slots, v))
@@ -218,8 +214,6 @@ def test_rope_kv_pages_under_autograd_write_the_same_bits():
 
 
 def test_rope_kv_pages_of_another_shape_is_one_line():
-    from rl_engine.kernels.ops.triton.attention.paged_write import KvPages
-
     qk, v, positions, (k_pool, v_pool), slots = _paged_case(torch.float32)
     with pytest.raises(ValueError, match="kv_pages: expected"):
         triton_rope.rope(qk, positions, kv_pages=KvPages(k_pool, v_pool, slots[:, :1], v))
