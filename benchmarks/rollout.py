@@ -479,7 +479,11 @@ def main(argv=None) -> int:
     setup = SETUPS[args.device]
     config = setup["model"]()
     if args.layers is not None:
-        config = config.with_layers(args.layers)
+        try:
+            config = config.with_layers(args.layers)
+        except ValueError as exc:
+            print(f"rollout.py: error: --layers {args.layers}: {exc}", file=sys.stderr)
+            return 2
     copy = copy_ceiling() if device.type == "cuda" else None
     if copy is not None:
         print(f"device copy bandwidth {copy['gb_per_s']:.0f} GB/s (read + write)", flush=True)

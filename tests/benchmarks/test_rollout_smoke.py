@@ -67,6 +67,12 @@ def test_bad_arguments_exit_2_with_one_line(rollout, tmp_path, capsys, argv):
     assert len(err.splitlines()) == 1 and "invalid" in err
 
 
+def test_more_layers_than_the_model_has_is_one_line(rollout, tmp_path, capsys):
+    assert rollout.main(["--out", str(tmp_path), "--device", "cpu", "--layers", "99"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--layers 99" in err and not (tmp_path / "rollout.json").exists()
+
+
 def test_spent_budget_skips_cells_and_a_failed_model_fills_its_rows(rollout, tmp_path, monkeypatch):
     assert rollout.main(["--out", str(tmp_path), "--device", "cpu", "--budget-s", "0"]) == 0
     rows = _rows(tmp_path)
