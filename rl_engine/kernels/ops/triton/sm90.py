@@ -377,15 +377,17 @@ def _summary(kernel, registers: bool = False) -> dict:
 
 def _norm_sum(ptx: str) -> list[str]:
     """The instructions under a norm's rsqrt (the sum of squares, its warp shuffles, the mean, eps) as numbered
-    values, registers replaced by what computes them: two kernels with the same list give a row the same rstd bits."""
+    values, registers replaced by what computes them: two kernels with the same list (and the same layout of the row)
+    give it the same rstd bits."""
     defs = {m[1]: (m[0], m[2]) for m in re.findall(r"^\s*([a-z][\w.]*)\s+(%r\d+),\s*([^;]*);", ptx, re.M)}
     arithmetic = ("mul.", "fma.", "add.", "sub.", "div.", "shfl.", "rsqrt.")
     values: dict[str, str] = {}  # instruction -> its number, in the order first reached
+    inputs: dict[str, str] = {}  # a register computed otherwise (a load, a conversion) -> its number
 
     def value(reg: str) -> str:
         op, args = defs.get(reg, ("input", ""))
         if not op.startswith(arithmetic):
-            return "input"
+            return inputs.setdefault(reg, f"in{len(inputs)}")
         text = f"{op} {', '.join(value(a) if a.startswith('%r') else a for a in args.split(', '))}"
         return values.setdefault(text, f"v{len(values)}")
 
