@@ -38,14 +38,10 @@ from dataclasses import dataclass
 import torch
 
 from rl_engine.kernels.ops.triton.linear.matmul import fused_keeps_bits
-from rl_engine.kernels.ops.triton.position.rope import HeadNorm
 from rl_engine.models.config import EXPERT_ROLES, ModelConfig
 from rl_engine.models.families import get_family
 from rl_engine.models.moe import local_experts, moe_block
 from rl_engine.models.profiles import ProfileOps
-
-# The node of q's and k's norms and RoPE done by one launch (stacked q/k/v heads: `_stacked_heads`)
-QK_NORM_ROPE = "q_norm+k_norm+q_rope+k_rope"
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor | None:
@@ -199,7 +195,7 @@ class DecoderModel:
     def _stacked_heads(self, q, k, layer):
         """(q and k as one [B,S,Hq+Hkv,D] view, their norm weights as one [2,D] view) where q's and k's heads lie
         side by side in one product (a stacked q/k/v) and the norm weights are consecutive (`pack_projections`) and
-        both ops run Triton (one launch for both ops, each head's bits as in its own launches); else (None, None)."""
+        both ops run Triton (one launch each, each head's bits as in its own launch); else (None, None)."""
         if not (self.family.qk_norm and self.ops.profile.backend("rms_norm") == "triton"
                 and self.ops.profile.backend("rope") == "triton"):
             return None, None
@@ -221,8 +217,9 @@ class DecoderModel:
         b, s, h, d = x.shape
         return self._norm(node, x.reshape(b, s * h, d), role, layer).view(b, s, h, d)
 
-    def _rope(self, node, x, positions):
-        return self.ops("rope", node, self.rope_params, x=x, positions=positions)
+    def _rope(self, node, x, positions, kv_pages=None):
+        params = self.rope_params if kv_pages is None else {**self.rope_params, "kv_pages": kv_pages}
+        return self.ops("rope", node, params, x=x, positions=positions)
 
     def _layer(self, i, h, positions, attend, cache=None):
         c, p = self.config, f"model.layers.{i}"
@@ -234,11 +231,12 @@ class DecoderModel:
         v = v.reshape(b, s, c.num_kv_heads, c.head_dim)
         qk, norms = self._stacked_heads(q, k, i)
         pages = None
-        if qk is not None:  # q's and k's heads adjacent in one product: their norms and RoPE in one launch
-            # a paged cache is written by the same launch: the rotated keys and the values, a launch fewer
+        if qk is not None:  # q's and k's heads adjacent in one product: one norm launch and one RoPE launch
+            qk = self.ops("rms_norm", f"{p}.self_attn.q_norm+k_norm", {"eps": c.rms_norm_eps, "split": c.num_heads},
+                          x=qk, weight=norms)
+            # a paged cache is written by the RoPE launch itself: the rotated keys and the values, a launch fewer
             pages = cache.kv_pages(i, positions, v) if hasattr(cache, "kv_pages") else None
-            params = {**self.rope_params, "kv_pages": pages, "norm": HeadNorm(norms, c.rms_norm_eps, c.num_heads)}
-            q, k = self.ops("rope", f"{p}.self_attn.{QK_NORM_ROPE}", params, x=qk, positions=positions).split(
+            q, k = self._rope(f"{p}.self_attn.q_rope+k_rope", qk, positions, pages).split(
                 [c.num_heads, c.num_kv_heads], dim=2)
         else:
             if self.family.qk_norm:

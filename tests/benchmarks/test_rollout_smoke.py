@@ -38,9 +38,9 @@ def test_every_peer_gets_a_full_row_and_merge_keeps_the_rest(rollout, tmp_path):
         package = ".pytorch." if peer == "torch_bf16" else ".triton."
         assert row["ran"] and all(package in r for r in row["ran"]), row["ran"]  # the profile's ops ran
         # the rollout model's weights are packed: the Triton profile runs q/k/v and gate/up as one product each, and
-        # q's and k's heads through one launch of their norms and RoPE
-        stacked = [] if peer == "torch_bf16" else ["gate_proj+up_proj", "q_norm+k_norm+q_rope+k_rope",
-                                                   "q_proj+k_proj+v_proj"]
+        # q's and k's heads through one norm and one RoPE launch
+        stacked = [] if peer == "torch_bf16" else ["gate_proj+up_proj", "q_norm+k_norm", "q_proj+k_proj+v_proj",
+                                                   "q_rope+k_rope"]
         assert row["stacked_products"] == stacked, row["stacked_products"]
         assert bool(row["cuda_graphs"]) == (peer != "triton_bf16_eager"), row["cuda_graphs"]  # (captured on a GPU)
     assert rows[("hf_static", 2, 6)]["cache"] == "static" and rows[("hf_dynamic", 2, 6)]["cache"] == "dynamic"

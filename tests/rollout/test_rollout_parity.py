@@ -78,7 +78,7 @@ def test_a_token_budget_splits_prefill_forwards_without_changing_a_bit(micro_mod
 
 
 QKV, GATE_UP = "model.layers.0.self_attn.q_proj+k_proj+v_proj", "model.layers.0.mlp.gate_proj+up_proj"
-QK_NORM_ROPE = f"model.layers.0.self_attn.{decoder.QK_NORM_ROPE}"
+QK_NORM, QK_ROPE = "model.layers.0.self_attn.q_norm+k_norm", "model.layers.0.self_attn.q_rope+k_rope"
 
 
 def _stacked_run(micro_config, micro_weights):
@@ -91,13 +91,13 @@ def _stacked_run(micro_config, micro_weights):
 
 def test_stacked_projections_run_as_one_product_with_the_bits_of_each(micro_config, micro_weights, alone):
     got, nodes = _stacked_run(micro_config, micro_weights)
-    assert {QKV, GATE_UP, QK_NORM_ROPE} <= nodes and "model.layers.0.self_attn.k_proj" not in nodes
-    assert not {f"model.layers.0.self_attn.{n}" for n in ("k_norm", "k_rope", "q_norm+k_norm")} & nodes
+    assert {QKV, GATE_UP, QK_NORM, QK_ROPE} <= nodes and "model.layers.0.self_attn.k_proj" not in nodes
+    assert "model.layers.0.self_attn.k_norm" not in nodes and "model.layers.0.self_attn.k_rope" not in nodes
     assert not mismatches(got, alone)
 
 
 def test_q_and_k_heads_stacked_with_their_norms_swapped_are_caught(micro_config, micro_weights, alone, monkeypatch):
-    # Planted: the one norm-and-RoPE launch given [k_norm; q_norm] (q's heads normed by k's weight)
+    # Planted: the one norm launch given [k_norm; q_norm] (q's heads normed by k's weight)
     stacked = decoder.DecoderModel._stacked_heads
 
     def swapped(self, q, k, layer):
@@ -106,7 +106,7 @@ def test_q_and_k_heads_stacked_with_their_norms_swapped_are_caught(micro_config,
 
     monkeypatch.setattr(decoder.DecoderModel, "_stacked_heads", swapped)
     got, nodes = _stacked_run(micro_config, micro_weights)
-    assert QK_NORM_ROPE in nodes and mismatches(got, alone)
+    assert QK_NORM in nodes and mismatches(got, alone)
 
 
 def test_stacked_heads_write_the_paged_cache_from_the_rope_launch(micro_config, micro_weights, alone, monkeypatch):
@@ -114,7 +114,7 @@ def test_stacked_heads_write_the_paged_cache_from_the_rope_launch(micro_config, 
     writes = []
     monkeypatch.setattr(PagedKvCache, "write", lambda self, *args: writes.append(args))
     got, nodes = _stacked_run(micro_config, micro_weights)
-    assert QK_NORM_ROPE in nodes and not writes and not mismatches(got, alone)
+    assert QK_ROPE in nodes and not writes and not mismatches(got, alone)
     # Planted: the launch writes each token one pool row past its slot
     kv_pages = PagedKvCache.kv_pages
 

@@ -196,14 +196,14 @@ def compile_matmul(variant: str):
 
 # The small kernels of a decode step, as the step launches them: programmatic dependents (runtime.pdl_launch), bf16,
 # Qwen3-8B's widths (hidden 4096, intermediate 12288, 32 heads of 128, 8 KV heads).
-DECODE_KERNELS = ("rms_norm", "rms_norm_heads", "swiglu", "rope", "rope_kv_pages", "norm_rope_kv_pages", "paged_write")
+DECODE_KERNELS = ("rms_norm", "rms_norm_heads", "swiglu", "rope", "rope_kv_pages", "paged_write")
 
 
 def compile_decode(kind: str):
     from rl_engine.kernels.ops.triton.activation.swiglu import BLOCK, NUM_WARPS, _swiglu_forward_kernel
     from rl_engine.kernels.ops.triton.attention.paged_write import _write_kv_kernel
     from rl_engine.kernels.ops.triton.norm.rms_norm import _rms_norm_forward_kernel, launch_config
-    from rl_engine.kernels.ops.triton.position.rope import _norm_rope_kernel, _rope_kernel
+    from rl_engine.kernels.ops.triton.position.rope import _rope_kernel
 
     def types(ints: dict[str, str], default: str = "*bf16"):
         return lambda n: ints.get(n, default if n.endswith("_ptr") else "i32")
@@ -220,11 +220,6 @@ def compile_decode(kind: str):
         return _compile(_rope_kernel, dict(TRANSPOSE=False, LIBDEVICE_TRIG=True, BLOCK_HEADS=64 if kv else 32,
                                            BLOCK_HALF=64, KV=kv, BLOCK_V=1024 if kv else 1, PDL=True),
                         types({"positions_ptr": "*i64", "inv_freq_ptr": "*fp32", "slots_ptr": "*i64"}), 2, 1)
-    if kind == "norm_rope_kv_pages":  # q's and k's heads normed, rotated and the keys and values written: one launch
-        block, warps = launch_config(128)
-        return _compile(_norm_rope_kernel, dict(LIBDEVICE_TRIG=True, BLOCK_H=block, KV=True, PDL=True),
-                        types({"positions_ptr": "*i64", "inv_freq_ptr": "*fp32", "slots_ptr": "*i64", "eps": "fp32"}),
-                        warps, 1)
     return _compile(_write_kv_kernel, dict(ROW=1024, BLOCK=1024, PDL=True), types({"slots_ptr": "*i64"}), 4, 1)
 
 
@@ -362,8 +357,6 @@ def _summary(kernel, registers: bool = False) -> dict:
                "wgmma": ptx.count("wgmma.mma_async"), "scalar_loads": len(re.findall(r"ld\.global\.[bu]16", ptx)),
                "fma": len(re.findall(r"\bfma\.rn\.f32", ptx)), "griddep": ptx.count("griddepcontrol."),
                "ftz_fma": len(re.findall(r"\bfma\.r[nmzp]\.ftz\.f32", ptx))}
-    if "rsqrt.approx" in ptx:
-        summary["norm_sum"] = _norm_sum(ptx)
     if registers:
         summary.update(ptxas_registers(ptx))
     if summary["cubin"]:
@@ -373,26 +366,6 @@ def _summary(kernel, registers: bool = False) -> dict:
         summary["single_bf16_cvt"] = len(re.findall(r"\bF2F\.BF16\.F32\b", text))
         summary["exp2_before_pv_wait"] = _exp2_before_pv_wait(text)
     return summary
-
-
-def _norm_sum(ptx: str) -> list[str]:
-    """The instructions under a norm's rsqrt (the sum of squares, its warp shuffles, the mean, eps) as numbered
-    values, registers replaced by what computes them: two kernels with the same list (and the same layout of the row)
-    give it the same rstd bits."""
-    defs = {m[1]: (m[0], m[2]) for m in re.findall(r"^\s*([a-z][\w.]*)\s+(%r\d+),\s*([^;]*);", ptx, re.M)}
-    arithmetic = ("mul.", "fma.", "add.", "sub.", "div.", "shfl.", "rsqrt.")
-    values: dict[str, str] = {}  # instruction -> its number, in the order first reached
-    inputs: dict[str, str] = {}  # a register computed otherwise (a load, a conversion) -> its number
-
-    def value(reg: str) -> str:
-        op, args = defs.get(reg, ("input", ""))
-        if not op.startswith(arithmetic):
-            return inputs.setdefault(reg, f"in{len(inputs)}")
-        text = f"{op} {', '.join(value(a) if a.startswith('%r') else a for a in args.split(', '))}"
-        return values.setdefault(text, f"v{len(values)}")
-
-    value(re.search(r"rsqrt\.approx[\w.]*\s+%r\d+,\s*(%r\d+)", ptx)[1])
-    return [f"{v} = {text}" for text, v in values.items()]
 
 
 def _exp2_before_pv_wait(text: str) -> list[int]:

@@ -362,7 +362,8 @@ def test_the_bitwise_check_catches_partials_folded_in_another_order():
 
 @pytest.mark.gpu
 def test_gpu_sampling_logits_at_qwen3_shape():
-    """The rollout's variant (two pipeline stages, the fp32 tile stored) keeps linear_logp's bits at every batch."""
+    """The rollout's tiles (sampling_config: 64 rows on one warpgroup, three stages, the fp32 tile stored) keep
+    linear_logp's bits at every batch."""
     inputs = _inputs(1, 256, QWEN3_8B["v"], QWEN3_8B["h"], torch.bfloat16, seed=7)
     want = TritonLinearLogpOp()(hidden=inputs["hidden"], lm_head_weight=inputs["lm_head_weight"],
                                 target_ids=inputs["target_ids"]).reshape(-1)

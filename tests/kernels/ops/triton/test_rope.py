@@ -5,9 +5,8 @@ import torch
 
 from rl_engine.kernels.ops.pytorch.position.rope import NativeRopeOp, rope_cos_sin
 from rl_engine.kernels.ops.triton.attention.paged_write import KvPages, write_kv_pages
-from rl_engine.kernels.ops.triton.norm.rms_norm import rms_norm
 from rl_engine.kernels.ops.triton.position import rope as triton_rope
-from rl_engine.kernels.ops.triton.position.rope import HeadNorm, TritonRopeOp, cached_inv_freq, rope_inv_freq
+from rl_engine.kernels.ops.triton.position.rope import TritonRopeOp, cached_inv_freq, rope_inv_freq
 from rl_engine.rollout.paged_cache import padded_block_table, pool_slots
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -226,73 +225,3 @@ def test_rope_kv_pages_of_another_shape_is_one_line():
 def test_gpu_rope_writes_keys_and_values_into_pages_with_the_bits_of_a_separate_write():
     assert DEVICE == "cuda"
     test_rope_writes_keys_and_values_into_pages_with_the_bits_of_a_separate_write(torch.bfloat16)
-
-
-def _norm_weight(dtype, d, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (1 + 0.5 * torch.randn(2, d, generator=g)).to(dtype).to(DEVICE)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("paged", [False, True], ids=["no_pages", "pages"])
-def test_head_norm_in_the_rope_launch_has_the_bits_of_rms_norm_then_rope(dtype, paged):
-    """norm: the launch that rotates q's and k's heads norms them first (q's heads by weight[0], k's by weight[1]),
-    with the bits of rms_norm's own launch, then RoPE (and the paged write); planted: the norm rows swapped, or the
-    split one head off."""
-    qk, v, positions, (k_pool, v_pool), slots = _paged_case(dtype, seed=2)
-    positions = positions * 4099  # large angles: the trig's range reduction
-    w = _norm_weight(dtype, qk.shape[-1])
-    want_k, want_v = k_pool.clone(), v_pool.clone()
-    want = triton_rope.rope(rms_norm(qk, w, 1e-6, split=4), positions)
-    write_kv_pages(want_k, want_v, slots, want[..., 4:, :], v)
-
-    def fused(norm):
-        pages = KvPages(k_pool, v_pool, slots, v) if paged else None
-        return triton_rope.rope(qk, positions, kv_pages=pages, norm=norm)
-
-    assert torch.equal(fused(HeadNorm(w, 1e-6, 4)), want)
-    if paged:
-        assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
-    assert not torch.equal(fused(HeadNorm(w.flip(0).contiguous(), 1e-6, 4)), want)
-    assert not torch.equal(fused(HeadNorm(w, 1e-6, 3)), want)
-
-
-def test_head_norm_under_autograd_has_the_same_bits_and_a_gradient():
-    qk, v, positions, (k_pool, v_pool), slots = _paged_case(torch.float32, seed=3)
-    w = _norm_weight(torch.float32, qk.shape[-1], seed=1)
-    want_k, want_v = k_pool.clone(), v_pool.clone()
-    want = triton_rope.rope(qk, positions, kv_pages=KvPages(want_k, want_v, slots, v), norm=HeadNorm(w, 1e-6, 4))
-    x, wg = qk.detach().clone().requires_grad_(), w.clone().requires_grad_()
-    got = triton_rope.rope(x, positions, kv_pages=KvPages(k_pool, v_pool, slots, v), norm=HeadNorm(wg, 1e-6, 4))
-    assert torch.equal(got.detach(), want) and torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
-    got.sum().backward()
-    assert x.grad is not None and wg.grad is not None and bool(wg.grad.abs().sum() > 0)
-
-
-def test_head_norm_of_another_shape_is_one_line():
-    qk, v, positions, _, _ = _paged_case(torch.float32)
-    w = _norm_weight(torch.float32, qk.shape[-1])
-    for norm in (HeadNorm(w[0], 1e-6, 4), HeadNorm(w, 1e-6, 0), HeadNorm(w, 1e-6, qk.shape[-2])):
-        with pytest.raises(ValueError, match="norm: expected"):
-            triton_rope.rope(qk, positions, norm=norm)
-
-
-@pytest.mark.gpu
-def test_gpu_head_norm_in_the_rope_launch_has_the_bits_of_rms_norm_then_rope():
-    """Qwen3-8B's heads (32 q + 8 k of 128 from one q/k/v product), 300 tokens at positions up to ~40k, scattered
-    pages: rms_norm's launch (FMA contraction on) then RoPE's (off), against the one launch doing both."""
-    assert DEVICE == "cuda"
-    g = torch.Generator().manual_seed(5)
-    hq, hkv, d, page, tokens = 32, 8, 128, 16, 300
-    qkv = torch.randn(1, tokens, (hq + 2 * hkv) * d, generator=g).bfloat16().to(DEVICE)
-    qk = qkv[..., : (hq + hkv) * d].view(1, tokens, hq + hkv, d)
-    v = qkv[..., (hq + hkv) * d:].view(1, tokens, hkv, d)
-    positions = torch.randint(0, 40960, (1, tokens), generator=g).to(DEVICE)
-    slots = torch.randperm(32 * page, generator=g)[:tokens].reshape(1, tokens).to(DEVICE)
-    w = _norm_weight(torch.bfloat16, d, seed=2)
-    pools = [torch.zeros(32, page, hkv, d, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)]
-    want = triton_rope.rope(rms_norm(qk, w, 1e-6, split=hq), positions, kv_pages=KvPages(*pools[:2], slots, v))
-    got = triton_rope.rope(qk, positions, kv_pages=KvPages(*pools[2:], slots, v), norm=HeadNorm(w, 1e-6, hq))
-    differ = int((got != want).sum())
-    print(f"\nnorm in the rope launch: {differ} of {got.numel()} outputs differ from rms_norm then rope")
-    assert differ == 0 and torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])

@@ -390,11 +390,26 @@ def partials(hidden, weight, bias, targets, cfg, logits=None):
     return part_max, part_sum, target_logit
 
 
-def sampling_config(dtype: torch.dtype) -> dict:
-    """`sampling_logits`' tiles: the trainer's (so a logit's and a partial's bits are its), at most
-    STORE_LOGITS_STAGES pipeline stages. `benchmarks/linear_logp.py --sampling-sweep` times others."""
+# The sampler's tiles for 16-bit weights on the GPU: a decode batch fills few of 128 token rows, so 64 rows on one
+# warpgroup, and the shared memory that frees goes to a third stage. A row's m64n256k16 wgmma chain over the same H
+# steps and its partials' reduction within a warp are the trainer's tiles' (`--sampling-sweep` compares the bits).
+SAMPLING_TILES_16BIT = dict(BLOCK_T=64, num_warps=4, num_stages=3)
+
+
+def trainer_read_config(dtype: torch.dtype) -> dict:
+    """The trainer's tiles (`config`) at most STORE_LOGITS_STAGES pipeline stages: the tiles whose bits a sampler's
+    logits and partials must have."""
     cfg = config(dtype)
     cfg["num_stages"] = min(cfg["num_stages"], STORE_LOGITS_STAGES)
+    return cfg
+
+
+def sampling_config(dtype: torch.dtype) -> dict:
+    """`sampling_logits`' tiles: SAMPLING_TILES_16BIT over the trainer's for 16-bit weights on the GPU (bit-equal, as
+    `benchmarks/linear_logp.py --sampling-sweep` shows), else the trainer's."""
+    cfg = trainer_read_config(dtype)
+    if dtype != torch.float32 and not interpreting():
+        cfg.update(SAMPLING_TILES_16BIT)
     return cfg
 
 

@@ -31,7 +31,6 @@ exactly one kernel launch.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 import triton
@@ -42,8 +41,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from rl_engine.kernels.ops.pytorch.base import expect_float
 from rl_engine.kernels.ops.pytorch.position.rope import NativeRopeOp
 from rl_engine.kernels.ops.triton.attention.paged_write import KvPages, write_kv_pages
-from rl_engine.kernels.ops.triton.norm.rms_norm import launch_config as norm_launch_config
-from rl_engine.kernels.ops.triton.norm.rms_norm import rms_norm
 from rl_engine.kernels.ops.triton.runtime import (
     cast_rne,
     check_devices,
@@ -102,68 +99,6 @@ def _rope_kernel(
         tl.store(v_pool_ptr + slot * row + cols, tl.load(v_ptr + token * v_stride + cols, mask=in_v), mask=in_v)
 
 
-@triton.jit
-def _mul_rn(a, b, ASM: tl.constexpr):
-    """a · b rounded on its own: in a kernel compiled with FMA contraction (for the norm's sum) RoPE's products must
-    still be two roundings and a difference, as in `_rope_kernel` (compiled without contraction)."""
-    if ASM:
-        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
-                                         pack=1)
-    else:
-        return a * b
-
-
-@triton.jit
-def _norm_rope_kernel(
-    x_ptr, weight_ptr, positions_ptr, inv_freq_ptr, out_ptr,
-    n_heads, split, H, stride_token, eps,
-    k_pool_ptr, v_pool_ptr, slots_ptr, v_ptr, v_stride, first_k_head,
-    LIBDEVICE_TRIG: tl.constexpr, BLOCK_H: tl.constexpr, KV: tl.constexpr, PDL: tl.constexpr,
-):
-    # One program per (token, head) row. The norm is `_rms_norm_forward_kernel`'s row (the same expressions on the
-    # same [BLOCK_H] layout, warps and compile options), rounded to out's dtype as that kernel stores it; each element's
-    # rotation partner (j ± H/2) is normed the same way, then rotated as `_rope_kernel` does.
-    if PDL:  # launched as a programmatic dependent (runtime.pdl_launch)
-        gdc_launch_dependents()
-        gdc_wait()
-    row = tl.program_id(0).to(tl.int64)
-    token = row // n_heads
-    head = row % n_heads
-    half = H // 2
-    cols = tl.arange(0, BLOCK_H)
-    mask = cols < H
-    src = x_ptr + token * stride_token + head * H
-    w_row = weight_ptr + tl.where(head >= split, H, 0)
-    x = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_row + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
-    y = cast_rne(x * rstd * w, out_ptr.dtype.element_ty).to(tl.float32)
-    first = cols < half
-    partner = tl.where(first, cols + half, cols - half)
-    xp = tl.load(src + partner, mask=mask, other=0.0).to(tl.float32)
-    wp = tl.load(w_row + partner, mask=mask, other=0.0).to(tl.float32)
-    yp = cast_rne(xp * rstd * wp, out_ptr.dtype.element_ty).to(tl.float32)
-    freq = tl.where(first, cols, cols - half)
-    angle = tl.load(positions_ptr + token).to(tl.float32) * tl.load(inv_freq_ptr + freq, mask=mask, other=0.0)
-    if LIBDEVICE_TRIG:
-        cos = libdevice.cos(angle)
-        sin = libdevice.sin(angle)
-    else:
-        cos = tl.cos(angle)
-        sin = tl.sin(angle)
-    a = _mul_rn(y, cos, LIBDEVICE_TRIG)
-    b = _mul_rn(yp, sin, LIBDEVICE_TRIG)
-    out = cast_rne(tl.where(first, a - b, a + b), out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * H + cols, out, mask=mask)
-    if KV:  # a key head: into its token's pool row, with the values of the same KV head
-        if head >= first_k_head:
-            slot = tl.load(slots_ptr + token).to(tl.int64)
-            kv_head = head - first_k_head
-            dst = slot * (n_heads - first_k_head) * H + kv_head * H + cols
-            tl.store(k_pool_ptr + dst, out, mask=mask)
-            tl.store(v_pool_ptr + dst, tl.load(v_ptr + token * v_stride + kv_head * H + cols, mask=mask), mask=mask)
-
-
 def rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
     """fp32 inv_freq [D/2], by the gold's expression (rl_engine/kernels/ops/pytorch/position/rope.py)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
@@ -208,22 +143,11 @@ def _token_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x.contiguous(), n_heads * head_dim
 
 
-class HeadNorm(NamedTuple):
-    """Qwen3's per-head RMSNorm of q and k before RoPE, done by the RoPE launch: heads [0, split) normed by weight[0]
-    [D], the rest by weight[1] (the bits of `rms_norm(x, weight, eps, split)` before the rotation)."""
-
-    weight: torch.Tensor
-    eps: float
-    split: int
-
-
 def rope_apply(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *, transpose: bool = False,
-               num_warps: int | None = None, kv_pages: KvPages | None = None,
-               norm: HeadNorm | None = None) -> torch.Tensor:
+               num_warps: int | None = None, kv_pages: KvPages | None = None) -> torch.Tensor:
     """Rotate x [..., Hh, D] (each token's heads contiguous; tokens at any stride) by positions [...] (the transpose
     rotation when `transpose`); the result is contiguous. With `kv_pages`, the same launch also writes the last Hkv
-    heads of the result (the keys) and kv_pages.v into the pools: the bits of `write_kv_pages` after it. With `norm`,
-    the launch norms each head first (one program per head instead of per token)."""
+    heads of the result (the keys) and kv_pages.v into the pools: the bits of `write_kv_pages` after it."""
     n_heads, head_dim = x.shape[-2], x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     x, stride_token = _token_rows(x)
@@ -235,17 +159,6 @@ def rope_apply(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
         k_pool, v_pool, slots, v = kv_pages
         v = unit_column_rows(v, kv_pages.row)
         kv, block_v = (k_pool, v_pool, slots.reshape(-1), v, v.stride(0), n_heads - k_pool.shape[-2]), kv_pages.row
-    if norm is not None:
-        if transpose:
-            raise ValueError("rope_apply: norm is a forward's (no transpose rotation)")
-        block, warps = norm_launch_config(head_dim)
-        if n_tokens:
-            _norm_rope_kernel[(n_tokens * n_heads,)](
-                x, norm.weight, positions, inv_freq, out, n_heads, norm.split, head_dim, stride_token, norm.eps, *kv,
-                LIBDEVICE_TRIG=not interpreting(), BLOCK_H=block, KV=kv_pages is not None,
-                num_warps=num_warps or warps, **pdl_launch(),
-            )
-        return out
     if n_tokens:
         _rope_kernel[(n_tokens,)](
             x, positions, inv_freq, out, n_heads, head_dim // 2, stride_token, *kv,
@@ -301,12 +214,10 @@ def _check_kv_pages(x: torch.Tensor, positions: torch.Tensor, kv_pages: KvPages)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 1e6,
-         inv_freq: torch.Tensor | None = None, kv_pages: KvPages | None = None,
-         norm: HeadNorm | None = None) -> torch.Tensor:
+         inv_freq: torch.Tensor | None = None, kv_pages: KvPages | None = None) -> torch.Tensor:
     """Rotate x [B,S,Hh,D] by integer positions [B,S]; returns x's dtype. `inv_freq` (fp32 [D/2] on x's
     device, checked by NativeRopeOp) replaces theta's table for a scaled RoPE. `kv_pages`: the last Hkv heads of
-    the result (the keys) and its values also go into the paged pools (rope_apply; a second launch under autograd).
-    `norm`: each head RMS-normed before the rotation, in the same launch (rms_norm's own launch under autograd)."""
+    the result (the keys) and its values also go into the paged pools (rope_apply; a second launch under autograd)."""
     if x.dim() < 2 or x.shape[-1] % 2 or tuple(positions.shape) != tuple(x.shape[:-2]):
         raise ValueError(
             f"x, positions: expected x [..., Hh, D] with even D and positions of shape x.shape[:-2]; "
@@ -317,14 +228,6 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 1e6,
     expect_float("x", x, "[..., Hh, D]")
     if kv_pages is not None:
         _check_kv_pages(x, positions, kv_pages)
-    if norm is not None:
-        expect_float("norm.weight", norm.weight, "[2, D]")
-        if (tuple(norm.weight.shape) != (2, x.shape[-1]) or not norm.weight.is_contiguous()
-                or not 0 < norm.split < x.shape[-2]):
-            raise ValueError(f"norm: expected a contiguous weight [2, D] = (2, {x.shape[-1]}) and 0 < split < Hh = "
-                             f"{x.shape[-2]}; got weight {tuple(norm.weight.shape)}, split {norm.split}")
-        if needs_autograd(x, norm.weight):
-            x, norm = rms_norm(x, norm.weight, norm.eps, norm.split), None
     if needs_autograd(x):
         out = rope_autograd(x, positions, inv_freq, theta, False)
         if kv_pages is not None:
@@ -333,7 +236,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 1e6,
         return out
     positions = positions.contiguous()  # x is read in place (rope_apply)
     inv_freq = cached_inv_freq(x.shape[-1], theta, x.device) if inv_freq is None else inv_freq.contiguous()
-    return rope_apply(x, positions, inv_freq, kv_pages=kv_pages, norm=norm)
+    return rope_apply(x, positions, inv_freq, kv_pages=kv_pages)
 
 
 class TritonRopeOp:
@@ -341,15 +244,12 @@ class TritonRopeOp:
 
     input_names = NativeRopeOp.input_names
 
-    def __init__(self, theta: float = 1e6, inv_freq: torch.Tensor | None = None, kv_pages: KvPages | None = None,
-                 norm: HeadNorm | None = None):
+    def __init__(self, theta: float = 1e6, inv_freq: torch.Tensor | None = None, kv_pages: KvPages | None = None):
         self.theta = theta
         self.inv_freq = inv_freq
         self.kv_pages = kv_pages  # the decoder's paged cache, written by the same launch (rope_apply)
-        self.norm = norm  # q's and k's head norms, done by the same launch
 
     def __call__(self, *, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        norm_weight = None if self.norm is None else self.norm.weight
-        check_devices("TritonRopeOp", x=x, positions=positions, norm_weight=norm_weight)
+        check_devices("TritonRopeOp", x=x, positions=positions)
         NativeRopeOp(self.theta, self.inv_freq).validate(x=x, positions=positions)
-        return rope(x, positions, self.theta, self.inv_freq, self.kv_pages, self.norm)
+        return rope(x, positions, self.theta, self.inv_freq, self.kv_pages)
