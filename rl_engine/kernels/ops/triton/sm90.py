@@ -237,7 +237,9 @@ def compile_linear_logp(kind: str, dtype: torch.dtype):
     from rl_engine.kernels.ops.triton.loss import linear_logp as ll
     from rl_engine.kernels.ops.triton.loss import linear_policy_loss as pl
 
-    cfg = dict(ll._GPU_CONFIGS["fp32" if dtype == torch.float32 else "16bit"])
+    # the rollout's sampler reads the lm_head on its own tiles; every other kernel runs the trainer's
+    cfg = ll.sampling_config(dtype) if kind == "partials_logits" else dict(
+        ll._GPU_CONFIGS["fp32" if dtype == torch.float32 else "16bit"])
     element = "*bf16" if dtype == torch.bfloat16 else "*fp32"
     precision = dot_precision(dtype)  # the interpreter is off here: the GPU's choice
     tiles = dict(BLOCK_T=cfg["BLOCK_T"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"], GROUP=cfg["GROUP"],
@@ -290,8 +292,7 @@ def compile_linear_logp(kind: str, dtype: torch.dtype):
         return _compile(ll._combine_kernel, {"BLOCK": 2048}, types, 4, 1)
     if kind in ("partials", "partials_logits"):  # the trainer's forward; the rollout's, storing the logits too
         return _compile(ll._partials_kernel, dict(tiles, HAS_BIAS=False, STORE_LOGITS=kind == "partials_logits"),
-                        types, cfg["num_warps"],
-                        ll.STORE_LOGITS_STAGES if kind == "partials_logits" else cfg["num_stages"])
+                        types, cfg["num_warps"], cfg["num_stages"])
     if kind == "dlogits":
         return _compile(ll._dlogits_kernel, dict(tiles, HAS_BIAS=False), types, cfg["num_warps"], cfg["num_stages"])
     gemm = cfg["DH" if kind == "dh" else "DW"]
