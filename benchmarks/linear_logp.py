@@ -22,7 +22,7 @@ config next to cuBLAS on the same shapes, then the whole backward under a few co
 (GEMM tiles, VOCAB_CHUNK), each checked against the shipped config's gradients and for batch
 invariance of the hidden gradient. --sampling-sweep times the rollout's lm_head read (`sampling_logits`: the
 fp32 logits and the partials in one kernel) at decode batch sizes under other tiles, each checked bit for bit
-against the shipped tiles' logits and partials, with the weight's copy floor beside it (linear_logp_sampling.json).
+against the trainer's tiles' logits and partials, with the weight's copy floor beside it (linear_logp_sampling.json).
 Exploration only: the shipped configuration stays one fixed choice per dtype (ours._GPU_CONFIGS,
 ours.sampling_config), set by hand from these tables.
 Floor for forward+backward without materializing the logits: 4 GEMMs (forward, recompute, dH,
