@@ -352,6 +352,19 @@ def test_sampling_logits_give_the_drawn_tokens_linear_logp_bits(dtype, n):
     torch.testing.assert_close(logits.double(), ref, rtol=1e-5, atol=1e-5)  # the logits, not some other tile
 
 
+def test_the_sampler_s_gpu_tiles_walk_h_and_v_as_the_trainer_s(monkeypatch):
+    """On the GPU the sampler's 16-bit tiles differ from the trainer's only in token rows, warps and stages, with 64
+    rows a warpgroup in both (one m64 wgmma chain a row): a row's H steps and the vocabulary tiles its partials fold
+    are the trainer's, which is why their bits can agree (the GPU sweep and gate test compare them)."""
+    from rl_engine.kernels.ops.triton.loss import linear_logp as ll
+
+    monkeypatch.setattr(ll, "interpreting", lambda: False)
+    trainer, sampler = ll.trainer_read_config(torch.bfloat16), ll.sampling_config(torch.bfloat16)
+    assert {k for k in trainer if trainer[k] != sampler[k]} == {"BLOCK_T", "num_warps", "num_stages"}
+    assert all(c["BLOCK_T"] // (c["num_warps"] // 4) == 64 for c in (trainer, sampler))
+    assert ll.sampling_config(torch.float32) == ll.trainer_read_config(torch.float32)
+
+
 def test_the_bitwise_check_catches_partials_folded_in_another_order():
     inputs = _inputs(1, 5, 100, 32, torch.bfloat16, seed=6)
     want = TritonLinearLogpOp()(hidden=inputs["hidden"], lm_head_weight=inputs["lm_head_weight"],
